@@ -1,0 +1,13 @@
+"""needle-twin's error types: library code raises these; cli.py prints them as one red line."""
+
+
+class NeedleTwinError(Exception):
+    """Base class: a problem with the user's input, with the fix in the message."""
+
+
+class ConfigError(NeedleTwinError, ValueError):
+    """A config field is missing, unknown or inconsistent."""
+
+
+class CheckpointError(NeedleTwinError, ValueError):
+    """A checkpoint cannot be read, is unsafe, or does not match the config."""

@@ -1,0 +1,432 @@
+"""Needle v1 in PyTorch: the twin of needle_flax/model.py, piece for piece and name for name.
+
+It computes in the dtype of its parameters (`model.to(torch.bfloat16)` gives upstream's
+bf16 inference) and keeps upstream's float32 islands: norm statistics, RoPE output,
+attention scores/softmax/PV, and logits. Where upstream's JAX type promotion decides a
+dtype, the matching line here says so explicitly, because torch promotes 0-dim tensors
+and python scalars differently.
+
+Shapes: B batch, S source length, T target length, D d_model, H heads,
+K kv heads, G = H/K, h head dim, F d_ff, V vocab, L layers, C contrastive dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from convert.config import TransformerConfig
+
+# ----------------------------------------------------------------------------- pieces
+
+
+class ZCRMSNorm(nn.Module):
+    """Zero-centred RMSNorm, (1 + scale) * x / RMS(x); statistics in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        rms = torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        # (1 + scale) * x stays in the param/compute dtype; dividing by the f32 rms promotes.
+        return ((1 + self.scale) * x / rms).to(x.dtype)
+
+
+def precompute_rope_freqs(head_dim: int, seq_len: int, theta: float = 10000.0, device=None):
+    """cos, sin tables, each (seq_len, h/2) float32, for positions 0..seq_len-1."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)  # (T, h/2)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Half-split RoPE on (B, H, T, h); the float32 tables promote the result to float32."""
+    T, half = x.shape[2], x.shape[-1] // 2
+    cos, sin = cos[:T], sin[:T]  # (T, h/2), broadcast over (B, H)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def repeat_kv(x: Tensor, repeats: int) -> Tensor:
+    """GQA: each KV head repeated `repeats` times consecutively, (B, K, T, h) -> (B, K*repeats, T, h)."""
+    return x if repeats == 1 else x.repeat_interleave(repeats, dim=1)
+
+
+def make_padding_mask(tokens: Tensor, pad_token_id: int = 0) -> Tensor:
+    """(B, 1, 1, T) bool, True = attend."""
+    return (tokens != pad_token_id)[:, None, None, :]
+
+
+def make_causal_mask(seq_len: int, device=None) -> Tensor:
+    """(1, 1, T, T) bool lower-triangular."""
+    return torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device))[None, None, :, :]
+
+
+def make_packing_mask(seg_ids: Tensor) -> Tensor:
+    """(B, 1, T, T): attend within the same non-zero segment (0 = padding)."""
+    same = (seg_ids[:, :, None] == seg_ids[:, None, :]) & (seg_ids[:, :, None] > 0)  # (B, T, T)
+    return same[:, None, :, :]
+
+
+def make_causal_packing_mask(seg_ids: Tensor) -> Tensor:
+    """(B, 1, T, T): packing mask that is also causal within each segment."""
+    return make_packing_mask(seg_ids) & make_causal_mask(seg_ids.shape[1], seg_ids.device)
+
+
+def make_cross_packing_mask(enc_seg_ids: Tensor, dec_seg_ids: Tensor) -> Tensor:
+    """(B, 1, T, S): decoder token attends to encoder tokens of its own non-zero segment."""
+    same = (dec_seg_ids[:, :, None] == enc_seg_ids[:, None, :]) & (dec_seg_ids[:, :, None] > 0)  # (B, T, S)
+    return same[:, None, :, :]
+
+
+def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(q k^T / sqrt(h)) v with upstream's precision; returns float32 (B, H, T, h).
+
+    q (B, H, T, h); k, v (B, K, S, h); mask bool (B|1, 1, T|1, S), True = attend.
+    Upstream's scores are float32 whatever the compute dtype (an f32 scale promotes them),
+    but q k^T itself runs in the promoted dtype of q and k: float32 once RoPE has touched
+    both, the compute dtype otherwise (cross-attention). Masked scores become
+    finfo(float32).min, so a fully masked row is uniform, never NaN.
+    """
+    h = q.shape[-1]
+    qk_dtype = torch.promote_types(q.dtype, k.dtype)
+    if qk_dtype == torch.float32:
+        # Same function as upstream; SDPA shares K/V across the G query heads (GQA)
+        # without materialising the repeats. An additive finfo.min mask equals
+        # where(mask, s, min) exactly: |s| is far below min's spacing.
+        bias = None
+        if mask is not None:
+            bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device)
+            bias.masked_fill_(~mask, torch.finfo(torch.float32).min)
+        return F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=bias, scale=1.0 / math.sqrt(h),
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    B, H, T, _ = q.shape
+    K = k.shape[1]
+    q = q.reshape(B, K, H // K, T, h)  # (B, K, G, T, h): head K*g+j reads kv head K
+    scores = torch.matmul(q.to(qk_dtype), k.to(qk_dtype)[:, :, None].transpose(-1, -2))  # (B, K, G, T, S)
+    scores = scores.float() / math.sqrt(h)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min)
+    probs = scores.softmax(dim=-1)
+    out = torch.matmul(probs, v.float()[:, :, None])  # (B, K, G, T, h)
+    return out.reshape(B, H, T, h)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, config: TransformerConfig, rope_keys_only: bool = False):
+        super().__init__()
+        D, h, K = config.d_model, config.head_dim, config.num_kv_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, K, h
+        self.rope_keys_only = rope_keys_only
+        self.q_proj = nn.Linear(D, D, bias=False)
+        self.k_proj = nn.Linear(D, K * h, bias=False)
+        self.v_proj = nn.Linear(D, K * h, bias=False)
+        self.out_proj = nn.Linear(D, D, bias=False)
+        self.q_norm = ZCRMSNorm(h)
+        self.k_norm = ZCRMSNorm(h)
+
+    def project_kv(self, kv_input: Tensor) -> tuple[Tensor, Tensor]:
+        """Normed keys and values, each (B, K, S, h), before RoPE."""
+        B, S, _ = kv_input.shape
+        k = self.k_proj(kv_input).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, h)
+        v = self.v_proj(kv_input).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, h)
+        return self.k_norm(k), v
+
+    def forward(self, q_input: Tensor, kv_input: Tensor | None, mask: Tensor | None = None,
+                rope: tuple[Tensor, Tensor] | None = None, cache: "LayerCache | None" = None,
+                cache_pos: int = 0, static_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """cache: float32 self-attention K/V buffers written at cache_pos; static_kv: cross K/V projected once."""
+        B, T, D = q_input.shape
+        q = self.q_proj(q_input).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, h)
+        q = self.q_norm(q)
+        if rope is not None and not self.rope_keys_only:
+            q = apply_rope(q, *rope)
+
+        if static_kv is not None:
+            k, v = static_kv
+        else:
+            k, v = self.project_kv(kv_input)
+            if rope is not None:
+                k = apply_rope(k, *rope)
+            if cache is not None:
+                # float32 like upstream's decode cache, so cached == uncached numerically.
+                k, v = cache.write(k, v, cache_pos)  # (B, K, cache_pos + T, h)
+
+        out = dot_product_attention(q, k, v, mask)  # (B, H, T, h) float32
+        out = out.transpose(1, 2).reshape(B, T, D)  # (B, T, D)
+        return self.out_proj(out.to(self.out_proj.weight.dtype))
+
+
+@dataclass
+class LayerCache:
+    """One decoder layer's self-attention K/V, float32 (B, K, T_max, h)."""
+
+    k: Tensor
+    v: Tensor
+
+    def write(self, k: Tensor, v: Tensor, pos: int) -> tuple[Tensor, Tensor]:
+        end = pos + k.shape[2]
+        self.k[:, :, pos:end] = k
+        self.v[:, :, pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        D, Fd = config.d_model, config.d_ff
+        self.activation = config.activation
+        self.gate_proj = nn.Linear(D, Fd, bias=False)
+        self.up_proj = nn.Linear(D, Fd, bias=False)
+        self.down_proj = nn.Linear(Fd, D, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, F)
+        if self.activation == "swiglu":
+            hidden = F.silu(gate) * up
+        elif self.activation == "geglu":
+            hidden = F.gelu(gate, approximate="tanh") * up  # flax's default gelu is the tanh form
+        else:  # drelu
+            hidden = F.relu(gate) * F.relu(up)
+        return self.down_proj(hidden)
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def _gate(param: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.sigmoid(param).to(dtype)
+
+
+class Tap(nn.Identity):
+    """A named capture point: forward hooks see the value, the output is the input."""
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm self-attention (+ optional FFN), each added through a sigmoid gate."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.attn_norm = ZCRMSNorm(config.d_model)  # Flax: ZCRMSNorm_0
+        self.self_attn = MultiHeadAttention(config)
+        self.attn_gate = nn.Parameter(torch.zeros(()))
+        self.self_attn_residual = Tap()
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.has_ffn = not config.no_feedforward
+        if self.has_ffn:
+            self.ffn_norm = ZCRMSNorm(config.d_model)  # Flax: ZCRMSNorm_1
+            self.ffn = FeedForward(config)  # Flax: FeedForward_0
+            self.ffn_gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        y = self.attn_norm(x)
+        x = x + _gate(self.attn_gate, x.dtype) * self.dropout(self.self_attn(y, y, mask, rope))
+        x = self.self_attn_residual(x)
+        if self.has_ffn:
+            x = x + _gate(self.ffn_gate, x.dtype) * self.dropout(self.ffn(self.ffn_norm(x)))
+        return x
+
+
+class DecoderBlock(nn.Module):
+    """Causal self-attention, cross-attention (+ optional FFN), each pre-normed and gated."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        D = config.d_model
+        self.self_attn_norm = ZCRMSNorm(D)  # Flax: ZCRMSNorm_0
+        self.self_attn = MultiHeadAttention(config)
+        self.self_attn_gate = nn.Parameter(torch.zeros(()))
+        self.cross_attn_norm = ZCRMSNorm(D)  # Flax: ZCRMSNorm_1
+        self.cross_attn = MultiHeadAttention(config)
+        self.cross_attn_gate = nn.Parameter(torch.zeros(()))
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.has_ffn = not config.no_feedforward
+        if self.has_ffn:
+            self.ffn_norm = ZCRMSNorm(D)  # Flax: ZCRMSNorm_2
+            self.ffn = FeedForward(config)  # Flax: FeedForward_0
+            self.ffn_gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: Tensor, encoder_out: Tensor | None, self_mask: Tensor | None = None,
+                cross_mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
+                cache: LayerCache | None = None, cache_pos: int = 0,
+                cross_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        y = self.self_attn_norm(x)
+        a = self.self_attn(y, y, self_mask, rope, cache=cache, cache_pos=cache_pos)
+        x = x + _gate(self.self_attn_gate, x.dtype) * self.dropout(a)
+        c = self.cross_attn(self.cross_attn_norm(x), encoder_out, cross_mask, static_kv=cross_kv)
+        x = x + _gate(self.cross_attn_gate, x.dtype) * self.dropout(c)
+        if self.has_ffn:
+            x = x + _gate(self.ffn_gate, x.dtype) * self.dropout(self.ffn(self.ffn_norm(x)))
+        return x
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.embed = Tap()
+        self.layers = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_encoder_layers))
+        self.final_norm = ZCRMSNorm(config.d_model)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x, mask, rope)
+        return self.final_norm(x)
+
+
+@dataclass
+class DecoderCache:
+    """Per-layer state for cached decoding: self-attention K/V buffers and cross K/V."""
+
+    layers: list[LayerCache]
+    cross_kv: list[tuple[Tensor, Tensor]]
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.embed = Tap()
+        self.layers = nn.ModuleList(DecoderBlock(config) for _ in range(config.num_decoder_layers))
+        self.final_norm = ZCRMSNorm(config.d_model)  # Flax: decoder/ZCRMSNorm_0
+
+    def forward(self, x: Tensor, encoder_out: Tensor | None, self_mask: Tensor | None = None,
+                cross_mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
+                cache: DecoderCache | None = None, cache_pos: int = 0) -> Tensor:
+        x = self.embed(x)
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                x = layer(x, encoder_out, self_mask, cross_mask, rope)
+            else:
+                x = layer(x, None, self_mask, cross_mask, rope, cache.layers[i], cache_pos, cache.cross_kv[i])
+        return self.final_norm(x)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class SimpleAttentionNetwork(nn.Module):
+    """Encoder-decoder with shared embeddings, tied output, RoPE and gated residuals."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        D = config.d_model
+        self.embedding = nn.Embedding(config.vocab_size, D)
+        self.embed_scale = math.sqrt(D)
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
+        self.contrastive_hidden = nn.Linear(D, D // 4)
+        self.contrastive_proj = nn.Linear(D // 4, config.contrastive_dim, bias=False)
+        self.log_temp = nn.Parameter(torch.zeros(()))
+        self.logits_tap = Tap()
+        self.contrastive_tap = Tap()
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Upstream's initialisers: N(0, 0.02), out/down projections N(0, 0.02/sqrt(2L)), zeros elsewhere."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.total_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("out_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, residual_std, generator=generator)
+            elif name.endswith("weight"):
+                p.normal_(0.0, 0.02, generator=generator)
+            else:  # norm scales, gates, biases, log_temp
+                p.zero_()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.weight.device
+
+    def _rope(self, seq_len: int, offset: int = 0) -> tuple[Tensor, Tensor]:
+        cos, sin = precompute_rope_freqs(self.config.head_dim, offset + seq_len, self.config.rope_theta, self.device)
+        return cos[offset:], sin[offset:]
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        # Upstream multiplies by a weakly typed scalar, i.e. rounded to the embedding dtype first.
+        scale = torch.tensor(self.embed_scale, dtype=self.dtype, device=self.device)
+        return self.embedding(tokens) * scale  # (B, T, D)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        return self.logits_tap(x.float() @ self.embedding.weight.float().T)  # (B, T, V) float32, tied
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Returns (encoder_out (B, S, D), src_mask)."""
+        return self.encoder(self._embed(src), src_mask, self._rope(src.shape[1])), src_mask
+
+    def decode(self, tgt: Tensor, encoder_out: Tensor, self_mask: Tensor | None = None,
+               cross_mask: Tensor | None = None) -> Tensor:
+        """float32 logits (B, T, V)."""
+        x = self.decoder(self._embed(tgt), encoder_out, self_mask, cross_mask, self._rope(tgt.shape[1]))
+        return self._logits(x)
+
+    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
+                cross_mask: Tensor | None = None) -> Tensor:
+        encoder_out, enc_mask = self.encode(src, src_mask)
+        return self.decode(tgt, encoder_out, tgt_mask, enc_mask if cross_mask is None else cross_mask)
+
+    # ------------------------------------------------------------------ cached decoding
+
+    def new_cache(self, encoder_out: Tensor, max_len: int) -> DecoderCache:
+        """Empty float32 self-attention buffers for max_len positions and cross K/V projected once."""
+        B, cfg = encoder_out.shape[0], self.config
+        shape = (B, cfg.num_kv_heads, max_len, cfg.head_dim)
+        layers = [
+            LayerCache(torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
+            for _ in self.decoder.layers
+        ]
+        cross = [layer.cross_attn.project_kv(encoder_out) for layer in self.decoder.layers]
+        return DecoderCache(layers, cross)
+
+    def decode_step(self, tokens: Tensor, cache: DecoderCache, cache_pos: int,
+                    self_mask: Tensor | None = None, cross_mask: Tensor | None = None) -> Tensor:
+        """Decode tokens (B, T) at positions cache_pos.. with the cache; float32 logits (B, T, V).
+
+        self_mask: (B|1, 1, T, cache_pos + T) over cached positions; None means causal.
+        """
+        T = tokens.shape[1]
+        if self_mask is None and T > 1:
+            self_mask = make_causal_mask(cache_pos + T, self.device)[:, :, cache_pos:]
+        x = self.decoder(self._embed(tokens), None, self_mask, cross_mask,
+                         self._rope(T, offset=cache_pos), cache, cache_pos)
+        return self._logits(x)
+
+    # ------------------------------------------------------------------ contrastive
+
+    def _mean_pool(self, encoder_out: Tensor, enc_mask: Tensor | None) -> Tensor:
+        """Mean over non-pad positions, count clamped to >= 1: (B, D)."""
+        if enc_mask is None:
+            keep = torch.ones(encoder_out.shape[:2], dtype=torch.bool, device=encoder_out.device)  # (B, S)
+        else:
+            keep = enc_mask[:, 0, 0, :]  # (B, S)
+        summed = (encoder_out * keep[:, :, None].to(encoder_out.dtype)).sum(dim=1)  # (B, D)
+        counts = keep.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+        # Upstream divides by a float32 count and rounds once to the compute dtype.
+        return (summed.float() / counts.float()).to(encoder_out.dtype)
+
+    def encode_contrastive(self, tokens: Tensor) -> Tensor:
+        """L2-normalised contrastive embedding (B, C)."""
+        encoder_out, enc_mask = self.encode(tokens, make_padding_mask(tokens, self.config.pad_token_id))
+        projected = self.contrastive_proj(F.relu(self.contrastive_hidden(self._mean_pool(encoder_out, enc_mask))))
+        # sqrt(sum^2 + eps) keeps a smooth gradient at the origin.
+        denom = torch.sqrt(projected.float().pow(2).sum(-1, keepdim=True) + 1e-12)
+        return self.contrastive_tap(projected / denom.to(projected.dtype))
+
+    def forward_contrastive(self, query_tokens: Tensor, tool_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(query embedding, tool embedding, log_temp)."""
+        return self.encode_contrastive(query_tokens), self.encode_contrastive(tool_tokens), self.log_temp
