@@ -119,7 +119,7 @@ class TransformerConfig:
 def _coerce(name: str, kind: str, value: Any) -> Any:
     """Accept numpy scalars from pickles; refuse lossy or wrong-kind values."""
     if kind == "bool":
-        if isinstance(value, bool) or type(value).__name__ == "bool_":
+        if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
             return bool(value)
         raise ConfigError(f"config.{name} must be true or false, got {value!r}")
     if kind == "int":

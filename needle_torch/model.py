@@ -345,6 +345,16 @@ class SimpleAttentionNetwork(nn.Module):
             else:  # norm scales, gates, biases, log_temp
                 p.zero_()
 
+    @classmethod
+    def from_flax(cls, params, config: TransformerConfig, dtype: torch.dtype | None = None) -> "SimpleAttentionNetwork":
+        """Build from a Flax param tree through convert.mapping; keeps the tree's dtype unless `dtype` is given."""
+        from convert.mapping import flax_to_torch
+
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(flax_to_torch(params, config), strict=True, assign=True)
+        return model.eval() if dtype is None else model.to(dtype).eval()
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embedding.weight.dtype
