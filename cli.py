@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Annotated, Callable, Optional
+from collections.abc import Callable
+from typing import Annotated, Optional
 
 import typer
 

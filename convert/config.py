@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from convert.errors import ConfigError
 
@@ -77,10 +78,12 @@ class TransformerConfig:
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ConfigError(f"config.dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ConfigError(f"config.pad_token_id={self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})")
+            raise ConfigError(
+                f"config.pad_token_id={self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TransformerConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> TransformerConfig:
         """Build from a (possibly partial) upstream config dict; unknown keys are an error."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"config must be a dict of fields, got {type(d).__name__}")
@@ -88,7 +91,8 @@ class TransformerConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(
-                f"unknown config key(s) {', '.join(map(repr, unknown))}; Needle v1 fields are: {', '.join(sorted(known))}"
+                f"unknown config key(s) {', '.join(map(repr, unknown))}; "
+                f"Needle v1 fields are: {', '.join(sorted(known))}"
             )
         return cls(**dict(d))
 
@@ -100,7 +104,7 @@ class TransformerConfig:
             out = {k: v for k, v in out.items() if v != defaults[k]}
         return out
 
-    def replace(self, **changes: Any) -> "TransformerConfig":
+    def replace(self, **changes: Any) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
 
     @property

@@ -12,8 +12,9 @@ edges and import torch lazily, so `convert` itself imports neither torch nor jax
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -183,7 +184,7 @@ def iter_flax_to_torch(params: Mapping[str, Any], config: TransformerConfig) -> 
     for rule in rules(config):
         arr = _as_numpy(flat[rule.flax])
         layers = [arr] if rule.stack is None else [arr[i, ...] for i in range(arr.shape[0])]  # 0-d stays an array
-        for name, a in zip(torch_names(rule, config), layers):
+        for name, a in zip(torch_names(rule, config), layers, strict=True):
             yield name, _contiguous(a.T if rule.transpose else a)
 
 
@@ -272,3 +273,19 @@ def np_dtype(name: str) -> np.dtype:
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def markdown_table() -> str:
+    """The mapping as a markdown table (docs/MAPPING.md is generated from this; a test keeps them equal)."""
+    config = TransformerConfig(no_feedforward=False)
+    lines = [
+        "| torch name | Flax path | per-layer Flax shape | layout |",
+        "|---|---|---|---|",
+    ]
+    for r in rules(config):
+        parts = ["transposed"] if r.transpose else []
+        parts += [f"stacked on axis 0 over {r.stack} layers"] if r.stack else []
+        layout = "; ".join(parts) or "as is"
+        shape = "(" + ", ".join(r.shape) + (",)" if len(r.shape) == 1 else ")")
+        lines.append(f"| `{r.torch}` | `{r.flax}` | {shape} | {layout} |")
+    return "\n".join(lines) + "\n"

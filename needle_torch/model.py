@@ -144,7 +144,7 @@ class MultiHeadAttention(nn.Module):
         return self.k_norm(k), v
 
     def forward(self, q_input: Tensor, kv_input: Tensor | None, mask: Tensor | None = None,
-                rope: tuple[Tensor, Tensor] | None = None, cache: "LayerCache | None" = None,
+                rope: tuple[Tensor, Tensor] | None = None, cache: LayerCache | None = None,
                 cache_pos: int = 0, static_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """cache: float32 self-attention K/V buffers written at cache_pos; static_kv: cross K/V projected once."""
         B, T, D = q_input.shape
@@ -346,7 +346,7 @@ class SimpleAttentionNetwork(nn.Module):
                 p.zero_()
 
     @classmethod
-    def from_flax(cls, params, config: TransformerConfig, dtype: torch.dtype | None = None) -> "SimpleAttentionNetwork":
+    def from_flax(cls, params, config: TransformerConfig, dtype: torch.dtype | None = None) -> SimpleAttentionNetwork:
         """Build from a Flax param tree through convert.mapping; keeps the tree's dtype unless `dtype` is given."""
         from convert.mapping import flax_to_torch
 

@@ -8,9 +8,9 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 stamp=.venv/.needle-twin-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/bootstrap.sh -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/bootstrap.sh -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q "torch==2.13.0"
-    .venv/bin/python -m pip install -q -e ".[all,test]"
+    .venv/bin/python -m pip install -q -c scripts/constraints.txt "torch==2.13.0"
+    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[all,test]"
     touch "$stamp"
 fi

@@ -93,7 +93,8 @@ def test_transpose_and_stacking_are_the_documented_ones():
     kernel = params["encoder"]["layers"]["EncoderBlock_0"]["self_attn"]["k_proj"]["kernel"]  # (L, D, KH)
     np.testing.assert_array_equal(state["encoder.layers.1.self_attn.k_proj.weight"].numpy(), kernel[1].T)
     gate = params["decoder"]["layers"]["DecoderBlock_0"]["cross_attn_gate"]  # (L,)
-    assert state["decoder.layers.0.cross_attn_gate"].shape == () and state["decoder.layers.0.cross_attn_gate"] == gate[0]
+    assert state["decoder.layers.0.cross_attn_gate"].shape == ()
+    assert state["decoder.layers.0.cross_attn_gate"] == gate[0]
 
 
 def test_one_error_lists_every_missing_unexpected_and_misshaped_entry():
