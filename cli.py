@@ -72,9 +72,328 @@ def _root(
 
 # --- convert commands (issue 3): convert, inspect, diff ---
 
+_CONFIG_HELP = "JSON config for a checkpoint that carries none (torch .pt, bare safetensors, bare msgpack/Orbax)."
+
+
+@app.command("convert")
+@guarded
+def convert_command(
+    src: Annotated[str, typer.Argument(
+        metavar="SRC", help="Checkpoint to read: upstream .pkl, .safetensors, HF-style or Orbax directory, "
+                            "flax .msgpack, torch .pt/.bin (format read from content).")],
+    dst: Annotated[str, typer.Argument(
+        metavar="DST", help="Output: .safetensors or a directory (torch), .pkl or .msgpack (Flax), "
+                            "a directory with --to flax (Orbax).")],
+    to: Annotated[Optional[str], typer.Option("--to", help="torch or flax; only needed for a directory DST.")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast every weight: float32, bfloat16 or float16 "
+                                                                "(default: keep the stored dtype).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")] = False,
+    max_shard_size: Annotated[Optional[str], typer.Option(
+        "--max-shard-size", help="Shard a directory DST past this size, e.g. 2GB, 500MB, 1GiB (default 5GB).")] = None,
+    config: Annotated[Optional[str], typer.Option("--config", help=_CONFIG_HELP)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary line.")] = False,
+) -> None:
+    """Convert a checkpoint between Flax and PyTorch formats, bit-exact unless --dtype casts."""
+    from pathlib import Path
+
+    from convert import commands
+
+    r = commands.convert(Path(src), Path(dst), to=to, dtype=dtype, force=force, max_shard_size=max_shard_size,
+                         config_path=Path(config) if config else None, progress=not quiet)
+    if not quiet:
+        typer.echo(f"wrote {r.dst} ({r.dst_format}) from {r.src_format}: {r.num_parameters:,} parameters, "
+                   f"{r.dtype}, {r.num_bytes / 2**20:,.1f} MiB in {r.seconds:.2f}s")
+
+
+@app.command("inspect")
+@guarded
+def inspect_command(
+    path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint file or directory, any supported format.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+    config: Annotated[Optional[str], typer.Option("--config", help=_CONFIG_HELP)] = None,
+) -> None:
+    """Show a checkpoint's format, config, metadata and every tensor's name, shape and dtype."""
+    import json
+    from pathlib import Path
+
+    from convert import commands
+
+    info = commands.inspect(Path(path), Path(config) if config else None)
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    cfg = info["config"]
+    typer.echo(f"path:       {info['path']}")
+    typer.echo(f"format:     {info['format']} ({info['layout']} layout)")
+    typer.echo("config:     " + (" ".join(f"{k}={v}" for k, v in cfg.items()) if cfg else "none"))
+    if info["config_origin"]:
+        typer.echo(f"            from {info['config_origin']}")
+    for key, value in info["metadata"].items():
+        if key != "config":
+            typer.echo(f"metadata:   {key} = {value if len(value) <= 100 else value[:97] + '...'}")
+    dtypes = ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items())
+    typer.echo(f"tensors:    {info['num_tensors']} ({dtypes}), {info['num_parameters']:,} parameters, "
+               f"{info['num_bytes'] / 2**20:,.2f} MiB")
+    typer.echo(f"check:      {info['check']}")
+    width = max((len(t["name"]) for t in info["tensors"]), default=0)
+    for t in info["tensors"]:
+        typer.echo(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']}")
+
+
+@app.command("diff")
+@guarded
+def diff_command(
+    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format).")],
+    b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+    config_a: Annotated[Optional[str], typer.Option("--config-a", help=_CONFIG_HELP)] = None,
+    config_b: Annotated[Optional[str], typer.Option("--config-b", help=_CONFIG_HELP)] = None,
+) -> None:
+    """Compare two checkpoints in any formats (Flax layout): configs, keys, and max |a-b| per tensor.
+
+    Exit code 0 when identical (same config, bit-identical tensors), 1 when they differ, 2 on bad input.
+    """
+    import json
+    from pathlib import Path
+
+    from convert import commands
+
+    r = commands.diff(Path(a), Path(b), Path(config_a) if config_a else None, Path(config_b) if config_b else None)
+    if as_json:
+        typer.echo(json.dumps(r.to_dict(), indent=2))
+    else:
+        typer.echo(f"A: {r.a} ({r.format_a})\nB: {r.b} ({r.format_b})")
+        for k, (va, vb) in r.config.items():
+            typer.echo(f"config {k}: {va!r} vs {vb!r}")
+        for name in r.only_a:
+            typer.echo(f"only in A: {name}")
+        for name in r.only_b:
+            typer.echo(f"only in B: {name}")
+        differing = [t for t in r.tensors if t.status != "identical"]
+        width = max((len(t.name) for t in r.tensors), default=0)
+        for t in r.tensors:
+            detail = (f"shape {tuple(t.shape_a)} vs {tuple(t.shape_b)}" if t.status == "shape" else
+                      "max abs 0" if t.status == "identical" else
+                      f"max abs {t.max_abs:.6g}, {t.num_different:,} elements differ"
+                      + (f", dtype {t.dtype_a} vs {t.dtype_b}" if t.dtype_a != t.dtype_b else ""))
+            typer.echo(f"  {t.name:<{width}}  {t.status:<12} {detail}")
+        verdict = "checkpoints are identical" if r.identical else "checkpoints differ"
+        typer.echo(f"{len(r.tensors)} common tensors: {len(r.tensors) - len(differing)} identical, "
+                   f"{len(differing)} differ; {verdict}")
+    if not r.identical:
+        raise typer.Exit(1)
+
 # --- parity commands (issue 4): parity, rescore ---
 
+_TOL = "Tolerance overrides"
+
+
+def _report_console():
+    """Rich console for reports: wide enough for the probe table when output is a pipe or a file."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=160)
+    return console
+
+
+def _overrides(profile, rtol, atol, kl_max, grad_rtol):
+    from parity_tests.commands import Overrides
+
+    return Overrides(profile=profile, rtol=rtol, atol=atol, kl_max=kl_max, grad_rtol=grad_rtol)
+
+
+_PROFILE = typer.Option("--profile", help="Tolerance profile by name, e.g. bfloat16-cpu, float32-gpu "
+                                          "(default: from --dtype and the devices).", rich_help_panel=_TOL)
+_RTOL = typer.Option("--rtol", help="Override the rel L2 and max/max|ref| budgets of every probe.",
+                     rich_help_panel=_TOL)
+_ATOL = typer.Option("--atol", help="Override the absolute floor of the max-abs budget.", rich_help_panel=_TOL)
+_KL = typer.Option("--kl-max", help="Override the worst per-token KL budget of the logits.", rich_help_panel=_TOL)
+_GRAD_RTOL = typer.Option("--grad-rtol", help="Override the gradient budgets (rel L2 and max).",
+                          rich_help_panel=_TOL)
+
+
+@app.command("parity")
+@guarded
+def parity_command(
+    flax_ckpt: Annotated[Optional[str], typer.Argument(
+        metavar="[FLAX_CKPT]", help="Flax/upstream checkpoint (any readable format). Omitted: an embedded seeded "
+                                    "random model at the published size (26,315,421 params).")] = None,
+    torch_ckpt: Annotated[Optional[str], typer.Option(
+        "--torch", help="Check this independently converted torch checkpoint instead of converting in memory.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype of both twins: float32, bfloat16, float16.")
+                     ] = "float32",
+    mode: Annotated[str, typer.Option("--mode", help="propagated: both run end to end (drift budget); isolated: "
+                                                     "each torch stage gets the Flax stage's input (local budget).")
+                    ] = "propagated",
+    batch: Annotated[int, typer.Option("--batch", help="Rows of the random batch.")] = 4,
+    src_len: Annotated[int, typer.Option("--src-len", help="Encoder length of the random batch.")] = 64,
+    tgt_len: Annotated[int, typer.Option("--tgt-len", help="Decoder length (random batch, or generated tgt).")] = 32,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
+    inputs: Annotated[Optional[str], typer.Option(
+        "--inputs", help="Token ids: .npy (src), .npz (src, tgt) or .json ({\"src\": rows, \"tgt\": rows}).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        "--tokenizer", help="SentencePiece model: encode --query/--tools in upstream's encoder format.")] = None,
+    query: Annotated[Optional[list[str]], typer.Option("--query", help="Query text (repeat for a batch).")] = None,
+    tools: Annotated[str, typer.Option("--tools", help="Tool descriptions appended after <tools>.")] = "",
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here.")] = None,
+    html_path: Annotated[Optional[str], typer.Option("--html", help="Write a self-contained HTML report here.")
+                         ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing report files.")] = False,
+    torch_device: Annotated[str, typer.Option("--torch-device", help="cpu, cuda, cuda:N or mps.")] = "cpu",
+    jax_platform: Annotated[str, typer.Option("--jax-platform", help="cpu, gpu or tpu.")] = "cpu",
+    precision: Annotated[str, typer.Option("--precision", help="highest: pin full float32 matmuls in both (no TF32);"
+                                                               " default: leave the libraries' defaults.")
+                         ] = "highest",
+    grads: Annotated[bool, typer.Option("--grads/--no-grads", help="Compare cross-entropy gradients per parameter.")
+                     ] = True,
+    generate: Annotated[int, typer.Option("--generate", help="Greedy-generate N tokens with both twins and report "
+                                                             "the first step that differs (0 = skip).")] = 8,
+    suppress_special: Annotated[Optional[bool], typer.Option(
+        "--suppress-special/--allow-special", help="Keep greedy generation off ids 0..5 (default: only for the "
+                                                   "embedded random model, which would stop at EOS at once).")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the verdict line.")] = False,
+    profile: Annotated[Optional[str], _PROFILE] = None,
+    rtol: Annotated[Optional[float], _RTOL] = None,
+    atol: Annotated[Optional[float], _ATOL] = None,
+    kl_max: Annotated[Optional[float], _KL] = None,
+    grad_rtol: Annotated[Optional[float], _GRAD_RTOL] = None,
+) -> None:
+    """Prove the torch and Flax twins compute the same function, probe by probe; name where they part.
+
+    Exit code 0 when parity holds, 1 when it fails, 2 on bad input.
+    """
+    from parity_tests import commands
+    from parity_tests.report import render_terminal, verdict_line
+
+    if precision not in ("highest", "default"):
+        raise NeedleTwinError(f"--precision {precision!r} is not one of highest, default")
+    report = commands.parity(
+        flax_ckpt, torch_ckpt=torch_ckpt, dtype=dtype, mode=mode, batch=batch, src_len=src_len, tgt_len=tgt_len,
+        seed=seed, inputs=inputs, tokenizer=tokenizer, queries=query or (), tools=tools, json_path=json_path,
+        html_path=html_path, force=force, torch_device=torch_device, jax_platform=jax_platform,
+        pin_precision=precision == "highest", grads=grads, generate=generate, suppress_special=suppress_special,
+        overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
+    console = _report_console()
+    if quiet:
+        console.print(verdict_line(report))
+    else:
+        render_terminal(report, console)
+    raise typer.Exit(report.exit_code)
+
+
+@app.command("rescore")
+@guarded
+def rescore_command(
+    report_path: Annotated[str, typer.Argument(metavar="REPORT_JSON", help="A report from `parity --json`.")],
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Write the re-scored JSON report here.")] = None,
+    html_path: Annotated[Optional[str], typer.Option("--html", help="Write a re-scored HTML report here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing report files.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the verdict line.")] = False,
+    profile: Annotated[Optional[str], _PROFILE] = None,
+    rtol: Annotated[Optional[float], _RTOL] = None,
+    atol: Annotated[Optional[float], _ATOL] = None,
+    kl_max: Annotated[Optional[float], _KL] = None,
+    grad_rtol: Annotated[Optional[float], _GRAD_RTOL] = None,
+) -> None:
+    """Re-judge a saved parity report against other tolerances, without running any model.
+
+    Without options it re-applies the report's own profile. Exit code 0 / 1 / 2 as for `parity`.
+    """
+    from parity_tests import commands
+    from parity_tests.report import render_terminal, verdict_line
+
+    report = commands.rescore(report_path, json_path=json_path, html_path=html_path, force=force,
+                              overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
+    console = _report_console()
+    if quiet:
+        console.print(verdict_line(report))
+    else:
+        render_terminal(report, console)
+    raise typer.Exit(report.exit_code)
+
 # --- generate command (issue 5) ---
+
+
+@app.command("generate")
+@guarded
+def generate_command(
+    ckpt: Annotated[str, typer.Argument(help="Checkpoint to run (any format `needle-twin inspect` reads).")],
+    tokens: Annotated[Optional[str], typer.Option(
+        "--tokens", help="Encoder input as token ids, e.g. '391 385 418' (or comma-separated).")] = None,
+    query: Annotated[Optional[str], typer.Option("--query", help="Query text (needs --tokenizer).")] = None,
+    tools: Annotated[str, typer.Option("--tools", help="Tools as a JSON string, put after <tools>.")] = "[]",
+    tokenizer: Annotated[Optional[str], typer.Option(
+        "--tokenizer", help="SentencePiece .model: encodes --query/--tools and decodes the output to text.")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="torch (cached KV) or flax (jitted cached loop).")
+                       ] = "torch",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Stop after this many tokens.")
+                              ] = 64,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", help="Compute dtype: float32, bfloat16, float16 (default: the checkpoint config's).")] = None,
+    suppress: Annotated[Optional[str], typer.Option(
+        "--suppress", help="Token ids never to choose, e.g. '0 2 3'.")] = None,
+    max_enc_len: Annotated[Optional[int], typer.Option(
+        "--max-enc-len", min=2, help="Truncate --query/--tools to this many encoder tokens, as upstream does.")
+                           ] = None,
+) -> None:
+    """Greedy-decode from EOS with the cached decoder, printing tokens as they come (text too with --tokenizer)."""
+    import time
+
+    from convert.errors import GenerationError
+    from convert.generation import generate_from_checkpoint, parse_token_ids
+    from convert.io import read_checkpoint
+
+    if (tokens is None) == (query is None):
+        raise GenerationError("give exactly one encoder input: --tokens IDS, or --query TEXT with --tokenizer PATH")
+    if query is not None and tokenizer is None:
+        raise GenerationError("--query needs --tokenizer PATH (the SentencePiece .model) to become token ids")
+    tok = None
+    if tokenizer is not None:
+        from convert.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+    checkpoint = read_checkpoint(ckpt)
+    if tok is not None and tok.get_piece_size() > checkpoint.config.vocab_size:
+        raise GenerationError(f"{tokenizer} has {tok.get_piece_size()} pieces but the model's vocabulary has "
+                              f"{checkpoint.config.vocab_size}; use the tokenizer this model was trained with")
+    if query is not None:
+        from convert.tokenizer import build_encoder_input, check_tools_json
+
+        src_ids = build_encoder_input(tok, query, check_tools_json(tools), max_len=max_enc_len)
+    else:
+        src_ids = parse_token_ids(tokens)
+    suppress_ids = parse_token_ids(suppress) if suppress else None
+
+    generated: list[int] = []
+    shown = ""
+
+    def stream(token: int) -> None:
+        nonlocal shown
+        generated.append(token)
+        if tok is None:
+            sys.stdout.write(f"{token} ")
+        else:
+            from convert.tokenizer import decode_tokens
+
+            text = decode_tokens(tok, generated)
+            # Print only what is new: SentencePiece joins pieces, so a piece decoded alone can lose its space.
+            sys.stdout.write(text[len(shown):] if text.startswith(shown) else "\n" + text)
+            shown = text
+        sys.stdout.flush()
+
+    start = time.perf_counter()
+    ids = generate_from_checkpoint(checkpoint, src_ids, backend=backend, dtype=dtype, max_new_tokens=max_new_tokens,
+                                   suppress_tokens=suppress_ids, streamer=stream)
+    seconds = time.perf_counter() - start
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if tok is not None:
+        typer.echo("ids: " + " ".join(map(str, ids)))
+    note = "; includes jit compilation" if backend == "flax" else ""
+    typer.echo(f"{len(ids) - 1} tokens in {seconds:.2f}s ({backend}, {dtype or checkpoint.config.dtype}, "
+               f"{len(src_ids)} encoder tokens{note})", err=True)
 
 
 def main() -> None:

@@ -11,3 +11,11 @@ class ConfigError(NeedleTwinError, ValueError):
 
 class CheckpointError(NeedleTwinError, ValueError):
     """A checkpoint cannot be read, is unsafe, or does not match the config."""
+
+
+class GenerationError(NeedleTwinError, ValueError):
+    """Generation arguments do not fit the model (token ids, lengths, shapes)."""
+
+
+class TokenizerError(NeedleTwinError, ValueError):
+    """A tokenizer cannot be loaded or does not fit the model."""

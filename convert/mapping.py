@@ -235,10 +235,10 @@ def numpy_to_torch(a: np.ndarray):
     import torch
 
     a = _contiguous(a)
+    if not a.flags.writeable:  # torch tensors are writable: never alias read-only (e.g. mmapped) memory
+        a = a.copy()
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    if not a.flags.writeable:
-        a = a.copy()
     return torch.from_numpy(a)
 
 

@@ -1,6 +1,7 @@
 """needle_torch: the PyTorch twin of Needle v1."""
 
 from convert.config import TransformerConfig
+from needle_torch.generate import generate, generate_recompute
 from needle_torch.model import (
     Decoder,
     DecoderBlock,
@@ -29,4 +30,5 @@ __all__ = [
     "MultiHeadAttention", "SimpleAttentionNetwork", "Tap", "TransformerConfig", "ZCRMSNorm", "apply_rope",
     "dot_product_attention", "make_causal_mask", "make_causal_packing_mask", "make_cross_packing_mask",
     "make_packing_mask", "make_padding_mask", "precompute_rope_freqs", "repeat_kv",
+    "generate", "generate_recompute",
 ]

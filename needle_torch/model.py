@@ -109,14 +109,16 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) 
             enable_gqa=q.shape[1] != k.shape[1],
         )
     B, H, T, _ = q.shape
-    K = k.shape[1]
-    q = q.reshape(B, K, H // K, T, h)  # (B, K, G, T, h): head K*g+j reads kv head K
-    scores = torch.matmul(q.to(qk_dtype), k.to(qk_dtype)[:, :, None].transpose(-1, -2))  # (B, K, G, T, S)
-    scores = scores.float() / math.sqrt(h)
+    K, S = k.shape[1], k.shape[2]
+    # The G query heads of a KV head become rows of one matmul against that head's keys: GQA
+    # without broadcasting k and v over G (a broadcast matmul copies them G times).
+    q = q.reshape(B, K, H // K * T, h)  # (B, K, G*T, h): head K*g+j reads kv head K
+    scores = torch.matmul(q.to(qk_dtype), k.to(qk_dtype).transpose(-1, -2))  # (B, K, G*T, S)
+    scores = scores.float().view(B, K, H // K, T, S) / math.sqrt(h)  # (B, K, G, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min)
-    probs = scores.softmax(dim=-1)
-    out = torch.matmul(probs, v.float()[:, :, None])  # (B, K, G, T, h)
+    probs = scores.softmax(dim=-1).view(B, K, H // K * T, S)  # (B, K, G*T, S)
+    out = torch.matmul(probs, v.float())  # (B, K, G*T, h)
     return out.reshape(B, H, T, h)
 
 
@@ -145,7 +147,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, q_input: Tensor, kv_input: Tensor | None, mask: Tensor | None = None,
                 rope: tuple[Tensor, Tensor] | None = None, cache: LayerCache | None = None,
-                cache_pos: int = 0, static_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                cache_pos: int | Tensor = 0, static_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """cache: float32 self-attention K/V buffers written at cache_pos; static_kv: cross K/V projected once."""
         B, T, D = q_input.shape
         q = self.q_proj(q_input).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, h)
@@ -175,7 +177,18 @@ class LayerCache:
     k: Tensor
     v: Tensor
 
-    def write(self, k: Tensor, v: Tensor, pos: int) -> tuple[Tensor, Tensor]:
+    def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, K, T, h) at pos..pos+T; returns the keys/values to attend over.
+
+        An int pos returns the filled prefix (B, K, pos+T, h). A 0-d tensor pos returns the whole
+        buffer (B, K, T_max, h), so shapes never change (torch.compile, CUDA graphs); the caller
+        then masks the positions after pos+T-1, which softmax gives exactly zero weight.
+        """
+        if isinstance(pos, Tensor):
+            at = pos + torch.arange(k.shape[2], device=k.device)  # (T,)
+            self.k.index_copy_(2, at, k.to(self.k.dtype))
+            self.v.index_copy_(2, at, v.to(self.v.dtype))
+            return self.k, self.v
         end = pos + k.shape[2]
         self.k[:, :, pos:end] = k
         self.v[:, :, pos:end] = v
@@ -259,7 +272,7 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: Tensor, encoder_out: Tensor | None, self_mask: Tensor | None = None,
                 cross_mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
-                cache: LayerCache | None = None, cache_pos: int = 0,
+                cache: LayerCache | None = None, cache_pos: int | Tensor = 0,
                 cross_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
         y = self.self_attn_norm(x)
         a = self.self_attn(y, y, self_mask, rope, cache=cache, cache_pos=cache_pos)
@@ -287,10 +300,12 @@ class Encoder(nn.Module):
 
 @dataclass
 class DecoderCache:
-    """Per-layer state for cached decoding: self-attention K/V buffers and cross K/V."""
+    """Per-layer state for cached decoding: self-attention K/V buffers and cross K/V (+ RoPE tables for T_max)."""
 
     layers: list[LayerCache]
     cross_kv: list[tuple[Tensor, Tensor]]
+    rope: tuple[Tensor, Tensor] | None = None  # cos, sin (T_max, h/2): computed once, not at every step
+    logits_weight: Tensor | None = None  # the tied embedding in float32 (V, D): upcast once, not at every step
 
 
 class Decoder(nn.Module):
@@ -302,7 +317,7 @@ class Decoder(nn.Module):
 
     def forward(self, x: Tensor, encoder_out: Tensor | None, self_mask: Tensor | None = None,
                 cross_mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
-                cache: DecoderCache | None = None, cache_pos: int = 0) -> Tensor:
+                cache: DecoderCache | None = None, cache_pos: int | Tensor = 0) -> Tensor:
         x = self.embed(x)
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -372,8 +387,10 @@ class SimpleAttentionNetwork(nn.Module):
         scale = torch.tensor(self.embed_scale, dtype=self.dtype, device=self.device)
         return self.embedding(tokens) * scale  # (B, T, D)
 
-    def _logits(self, x: Tensor) -> Tensor:
-        return self.logits_tap(x.float() @ self.embedding.weight.float().T)  # (B, T, V) float32, tied
+    def _logits(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
+        """float32 logits against the tied embedding; weight: that embedding already in float32 (V, D)."""
+        weight = self.embedding.weight.float() if weight is None else weight
+        return self.logits_tap(x.float() @ weight.T)  # (B, T, V) float32, tied
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Returns (encoder_out (B, S, D), src_mask)."""
@@ -400,21 +417,38 @@ class SimpleAttentionNetwork(nn.Module):
             LayerCache(torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device))
             for _ in self.decoder.layers
         ]
-        cross = [layer.cross_attn.project_kv(encoder_out) for layer in self.decoder.layers]
-        return DecoderCache(layers, cross)
+        # Stored contiguous, or every step's attention would copy them again. V is only ever read upcast to
+        # float32 (p @ v runs in float32), so keeping it upcast is exact; K stays in the compute dtype (q k^T).
+        cross = [(k.contiguous(), v.float().contiguous())
+                 for k, v in (layer.cross_attn.project_kv(encoder_out) for layer in self.decoder.layers)]
+        return DecoderCache(layers, cross, self._rope(max_len), self.embedding.weight.float())
 
-    def decode_step(self, tokens: Tensor, cache: DecoderCache, cache_pos: int,
+    def decode_step(self, tokens: Tensor, cache: DecoderCache, cache_pos: int | Tensor,
                     self_mask: Tensor | None = None, cross_mask: Tensor | None = None) -> Tensor:
         """Decode tokens (B, T) at positions cache_pos.. with the cache; float32 logits (B, T, V).
 
-        self_mask: (B|1, 1, T, cache_pos + T) over cached positions; None means causal.
+        cache_pos: an int attends over the filled prefix; a 0-d int64 tensor keeps every shape fixed
+        (attends over the whole buffer, later positions masked) so a compiled step never recompiles.
+        self_mask: (B|1, 1, T, cache_pos + T), or (B|1, 1, T, T_max) for a tensor cache_pos, over cached
+        positions; None means causal.
         """
         T = tokens.shape[1]
-        if self_mask is None and T > 1:
-            self_mask = make_causal_mask(cache_pos + T, self.device)[:, :, cache_pos:]
-        x = self.decoder(self._embed(tokens), None, self_mask, cross_mask,
-                         self._rope(T, offset=cache_pos), cache, cache_pos)
-        return self._logits(x)
+        if isinstance(cache_pos, Tensor):
+            positions = cache_pos + torch.arange(T, device=self.device)  # (T,)
+            cos, sin = cache.rope if cache.rope is not None else self._rope(cache.layers[0].k.shape[2])
+            rope = cos[positions], sin[positions]  # (T, h/2) each
+            if self_mask is None:
+                keys = torch.arange(cache.layers[0].k.shape[2], device=self.device)  # (T_max,)
+                self_mask = (keys <= positions[:, None])[None, None]  # (1, 1, T, T_max)
+        else:
+            if cache.rope is not None and cache_pos + T <= cache.rope[0].shape[0]:
+                rope = cache.rope[0][cache_pos:], cache.rope[1][cache_pos:]
+            else:
+                rope = self._rope(T, offset=cache_pos)
+            if self_mask is None and T > 1:
+                self_mask = make_causal_mask(cache_pos + T, self.device)[:, :, cache_pos:]
+        x = self.decoder(self._embed(tokens), None, self_mask, cross_mask, rope, cache, cache_pos)
+        return self._logits(x, cache.logits_weight)
 
     # ------------------------------------------------------------------ contrastive
 
@@ -440,3 +474,27 @@ class SimpleAttentionNetwork(nn.Module):
     def forward_contrastive(self, query_tokens: Tensor, tool_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(query embedding, tool embedding, log_temp)."""
         return self.encode_contrastive(query_tokens), self.encode_contrastive(tool_tokens), self.log_temp
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | str | None = None, device=None) -> SimpleAttentionNetwork:
+        """Load a .safetensors file or HF-style directory (see needle_torch.pretrained); dtype None keeps it."""
+        from needle_torch.pretrained import from_pretrained
+
+        return from_pretrained(cls, path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path, *, force: bool = False, max_shard_size: int | str | None = None):
+        """Write path.safetensors or an HF-style directory (atomic; never over an existing path without force)."""
+        from needle_torch.pretrained import save_pretrained
+
+        return save_pretrained(self, path, force=force, max_shard_size=max_shard_size)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, src: Tensor, src_mask: Tensor | None = None, max_new_tokens: int = 64, eos_token_id: int = 1,
+                 suppress_tokens=None, pad_token_id: int = 0, **kwargs) -> Tensor:
+        """Greedy cached decoding from EOS: LongTensor (B, 1 + steps); see needle_torch.generate.generate."""
+        from needle_torch.generate import generate
+
+        return generate(self, src, src_mask, max_new_tokens, eos_token_id, suppress_tokens, pad_token_id, **kwargs)

@@ -1,0 +1,229 @@
+"""The logic behind `needle-twin convert`, `inspect` and `diff`; cli.py only parses options and prints."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convert import io, plan
+from convert.config import TransformerConfig
+from convert.errors import NeedleTwinError
+from convert.source import Source
+from convert.tensors import dtype_name
+
+PROGRESS_MIN_BYTES = 32 * 2**20  # below this a conversion takes well under a second: no bar
+_DIFF_BLOCK = 1 << 22  # elements compared per step; bounds the float64 temporaries to ~100 MiB
+
+
+def _config_arg(config_path: Path | None) -> dict[str, Any] | None:
+    return io.load_config_json(config_path) if config_path is not None else None
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+@dataclass
+class ConvertResult:
+    src: Path
+    dst: Path
+    src_format: str
+    dst_format: str
+    num_tensors: int
+    num_parameters: int
+    num_bytes: int
+    dtype: str
+    seconds: float
+
+
+def convert(src: Path, dst: Path, *, to: str | None = None, dtype: str | None = None, force: bool = False,
+            max_shard_size: str | None = None, config_path: Path | None = None, progress: bool = False
+            ) -> ConvertResult:
+    """Convert SRC to DST (format from DST's form and --to); strict, atomic, interruptible without leftovers."""
+    start = time.perf_counter()
+    fmt = io.infer_write_format(dst, to)
+    source = io.open_source(src)
+    config = io.resolve_config(source, _config_arg(config_path))
+    total = source.nbytes if dtype is None else sum(math.prod(t.shape) for t in source.tensors.values()) * \
+        io.weight_dtype(dtype).itemsize
+    with _terminate_as_interrupt(), _progress_bar(total, f"{source.format} → {fmt}", progress) as on_bytes:
+        io.write_source(source, config, dst, format=fmt, force=force, dtype=dtype, max_shard_size=max_shard_size,
+                        on_bytes=on_bytes)
+    dtypes = sorted({dtype_name(t.dtype) for t in source.tensors.values()}) if dtype is None else [dtype]
+    return ConvertResult(Path(src), Path(dst), source.format, fmt, len(source.tensors),
+                         sum(t.size for t in source.tensors.values()), total, ",".join(dtypes),
+                         time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so the temporary output is deleted either way."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _progress_bar(total: int, label: str, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """A rich byte-count bar on stderr for large conversions (off when disabled or stderr is not a terminal)."""
+    if not enabled or total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def _natural(name: str) -> list[Any]:
+    """Sort key that puts layers.2 before layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def inspect(path: Path, config_path: Path | None = None) -> dict[str, Any]:
+    """Everything a checkpoint says about itself, without converting it (tensor data is not read)."""
+    source = io.open_source(path)
+    config, check = None, "ok"
+    try:
+        config = io.resolve_config(source, _config_arg(config_path))
+        plan.validate(source, config)
+    except NeedleTwinError as e:
+        check = str(e)
+    refs = source.tensors
+    tensors = [{"name": name, "shape": list(refs[name].shape), "dtype": dtype_name(refs[name].dtype)}
+               for name in sorted(refs, key=_natural)]
+    dtypes: dict[str, int] = {}
+    for t in tensors:
+        dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
+    return {
+        "path": str(path), "format": source.format, "layout": source.layout,
+        "config": config.to_dict() if config is not None else None,
+        "stored_config": source.config_dict, "config_origin": source.config_origin or None,
+        "metadata": dict(source.metadata),
+        "num_tensors": len(tensors), "num_parameters": sum(math.prod(t["shape"]) for t in tensors),
+        "num_bytes": source.nbytes, "dtypes": dtypes, "check": check, "tensors": tensors,
+    }
+
+
+# ----------------------------------------------------------------------------- diff
+
+
+@dataclass
+class TensorDiff:
+    name: str
+    status: str  # identical | values | bits (equal values, other bit patterns) | shape | dtype | dtype+values
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    max_abs: float | None = None  # None when shapes differ; nan when NaN positions differ
+    num_different: int = 0
+
+
+@dataclass
+class DiffResult:
+    a: Path
+    b: Path
+    format_a: str
+    format_b: str
+    config: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # field -> (a, b), only differing
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    tensors: list[TensorDiff] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not (self.config or self.only_a or self.only_b) and all(t.status == "identical" for t in self.tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": str(self.a), "b": str(self.b), "format_a": self.format_a, "format_b": self.format_b,
+            "identical": self.identical,
+            "config": {k: {"a": a, "b": b} for k, (a, b) in self.config.items()},
+            "only_in_a": self.only_a, "only_in_b": self.only_b,
+            "tensors": [{**t.__dict__, "shape_a": list(t.shape_a or ()), "shape_b": list(t.shape_b or ()),
+                         "max_abs": _json_float(t.max_abs)} for t in self.tensors],
+        }
+
+
+def _json_float(x: float | None) -> float | str | None:
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
+
+
+def _open_checked(path: Path, config_path: Path | None) -> tuple[Source, TransformerConfig, list[plan.Planned]]:
+    source = io.open_source(path)
+    config = io.resolve_config(source, _config_arg(config_path))
+    plan.validate(source, config)
+    return source, config, plan.flax_view(source, config)
+
+
+def diff(a: Path, b: Path, config_a: Path | None = None, config_b: Path | None = None) -> DiffResult:
+    """Key-level and value-level differences of two checkpoints in any formats, compared in the Flax layout."""
+    source_a, cfg_a, view_a = _open_checked(a, config_a)
+    source_b, cfg_b, view_b = _open_checked(b, config_b)
+    result = DiffResult(Path(a), Path(b), source_a.format, source_b.format)
+    da, db = cfg_a.to_dict(), cfg_b.to_dict()
+    result.config = {k: (da[k], db[k]) for k in da if da[k] != db[k]}
+    by_a, by_b = {p.name: p for p in view_a}, {p.name: p for p in view_b}
+    result.only_a = sorted(set(by_a) - set(by_b), key=_natural)
+    result.only_b = sorted(set(by_b) - set(by_a), key=_natural)
+    for name in sorted(set(by_a) & set(by_b), key=_natural):
+        result.tensors.append(compare(name, by_a[name], by_b[name]))
+    return result
+
+
+def compare(name: str, pa: plan.Planned, pb: plan.Planned) -> TensorDiff:
+    """Bitwise identity, else the max |a - b| (in float64) and how many elements differ."""
+    d = TensorDiff(name, "identical", pa.shape, pb.shape, dtype_name(pa.dtype), dtype_name(pb.dtype))
+    if pa.shape != pb.shape:
+        d.status = "shape"
+        return d
+    x, y = pa.array().reshape(-1), pb.array().reshape(-1)
+    if pa.dtype == pb.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)):
+        d.max_abs = 0.0
+        return d
+    worst, count, nan_mismatch = 0.0, 0, False
+    for start in range(0, x.size, _DIFF_BLOCK):
+        u = x[start:start + _DIFF_BLOCK].astype(np.float64)
+        v = y[start:start + _DIFF_BLOCK].astype(np.float64)
+        same = (u == v) | (np.isnan(u) & np.isnan(v))
+        count += int(np.count_nonzero(~same))
+        nan_mismatch |= bool(np.any(np.isnan(u) ^ np.isnan(v)))
+        delta = np.abs(u - v)[~same & ~np.isnan(u) & ~np.isnan(v)]
+        if delta.size:
+            worst = max(worst, float(delta.max()))
+    d.max_abs = math.nan if nan_mismatch else worst
+    d.num_different = count
+    if pa.dtype != pb.dtype:
+        d.status = "dtype+values" if count else "dtype"
+    else:
+        d.status = "values" if count else "bits"  # equal values, different bits: -0.0 vs 0.0 or NaN payloads
+    return d

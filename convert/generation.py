@@ -1,0 +1,113 @@
+"""Framework-free pieces of greedy generation shared by both twins: argument checks and the parity metric.
+
+Both `needle_torch.generate` and `needle_flax.generate` validate their arguments here, so a
+bad token id or length fails with the same one-line message whichever backend runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from convert.config import TransformerConfig
+from convert.errors import GenerationError
+
+
+def check_generate_args(config: TransformerConfig, src_shape: tuple[int, ...], max_new_tokens: int,
+                        eos_token_id: int, pad_token_id: int, suppress_tokens: Iterable[int] | None) -> tuple[int, ...]:
+    """Validate generation arguments; returns the suppressed ids as a sorted tuple (hashable: a jit static)."""
+    if len(src_shape) != 2 or src_shape[0] < 1 or src_shape[1] < 1:
+        raise GenerationError(f"src must be a (batch, length) array of token ids with both >= 1, got shape "
+                              f"{tuple(src_shape)}; add a batch axis for a single sequence")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    V = config.vocab_size
+    for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < V:
+            raise GenerationError(f"{name}={value!r} is outside the vocabulary [0, {V}); use an id in that range")
+    suppress = tuple(sorted({int(t) for t in (suppress_tokens or ())}))
+    bad = [t for t in suppress if not 0 <= t < V]
+    if bad:
+        raise GenerationError(f"suppress_tokens {bad} are outside the vocabulary [0, {V}); drop them")
+    if len(suppress) >= V:
+        raise GenerationError(f"suppress_tokens covers all {V} ids, so no token can be chosen; suppress fewer ids")
+    return suppress
+
+
+def max_rel_error(actual, reference) -> float:
+    """max |actual - reference| / max |reference|: one number per tensor, scale-free, robust to near-zero entries."""
+    a = np.asarray(actual, dtype=np.float64)
+    r = np.asarray(reference, dtype=np.float64)
+    if a.shape != r.shape:
+        raise GenerationError(f"cannot compare shapes {a.shape} and {r.shape}; both runs must take the same steps")
+    if a.size == 0:
+        return 0.0
+    return float(np.max(np.abs(a - r)) / max(float(np.max(np.abs(r))), np.finfo(np.float64).tiny))
+
+
+# ----------------------------------------------------------------------------- CLI support (`needle-twin generate`)
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """Token ids from "391 385 418", "391,385,418" or "[391, 385, 418]"."""
+    parts = text.replace(",", " ").replace("[", " ").replace("]", " ").split()
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise GenerationError(f"--tokens {text!r} is not a list of integer token ids; "
+                              "write e.g. --tokens '391 385 418'") from None
+    if not ids:
+        raise GenerationError("--tokens is empty; give at least one encoder token id, e.g. --tokens '391 385 418'")
+    return ids
+
+
+def check_token_ids(ids: list[int], config: TransformerConfig, what: str) -> None:
+    """Every id must index the model's embedding."""
+    bad = sorted({i for i in ids if not 0 <= i < config.vocab_size})
+    if bad:
+        raise GenerationError(f"{what} has ids {bad[:5]} outside the model's vocabulary [0, {config.vocab_size}); "
+                              "is the tokenizer the one this model was trained with?")
+
+
+def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "torch", dtype: str | None = None,
+                             max_new_tokens: int = 64, suppress_tokens: Iterable[int] | None = None,
+                             streamer=None) -> list[int]:
+    """Greedy-decode one encoder sequence with a loaded `convert.io.Checkpoint`; ids from the starting EOS on.
+
+    dtype: compute dtype (None = the checkpoint config's; upstream inference uses bfloat16); float32 pins
+    full-precision matmuls in both frameworks. streamer: called with each new token id (int) as it is chosen.
+    """
+    from convert.config import DTYPES, EOS_ID
+
+    if backend not in ("torch", "flax"):
+        raise GenerationError(f"--backend {backend!r} is unknown; use torch or flax")
+    dtype = dtype or checkpoint.config.dtype
+    if dtype not in DTYPES:
+        raise GenerationError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    config = checkpoint.config.replace(dtype=dtype)
+    check_token_ids(src_ids, config, "the encoder input")
+    emit = None if streamer is None else (lambda step_tokens: streamer(int(step_tokens[0])))
+    args = dict(max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, suppress_tokens=suppress_tokens,
+                pad_token_id=config.pad_token_id, streamer=emit)
+    if backend == "torch":
+        import torch
+
+        from needle_torch.model import SimpleAttentionNetwork
+
+        if dtype == "float32":
+            torch.set_float32_matmul_precision("highest")
+        model = SimpleAttentionNetwork.from_flax(checkpoint.params, config, dtype=getattr(torch, dtype))
+        tokens = model.generate(torch.tensor([src_ids], dtype=torch.long), None, **args)
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        from needle_flax.generate import generate
+        from needle_flax.model import SimpleAttentionNetwork
+
+        if dtype == "float32":
+            jax.config.update("jax_default_matmul_precision", "highest")
+        params = jax.tree.map(lambda a: jnp.asarray(a, dtype), checkpoint.params)  # upstream casts every param
+        tokens = generate(SimpleAttentionNetwork(config), params, jnp.asarray([src_ids], jnp.int32), None, **args)
+    return [int(t) for t in np.asarray(tokens)[0]]

@@ -1,0 +1,278 @@
+"""Strict checks of an opened checkpoint against its config, and lazy per-tensor views in either layout.
+
+Every layout change goes through convert.mapping's rule table: a view only renames,
+transposes and (un)stacks, so data passes through bit-exact unless a dtype cast is asked for.
+Views describe each output tensor by the source arrays it is made of; a writer fills the
+output tensor by tensor (usually straight into its region of a mapped output file), so the
+whole checkpoint never needs to be in memory when the source is read lazily.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from convert.config import TransformerConfig
+from convert.errors import CheckpointError
+from convert.mapping import (
+    expected_flax_shapes,
+    expected_torch_shapes,
+    flax_shape,
+    num_layers,
+    rules,
+    torch_names,
+    torch_shape,
+)
+from convert.source import FLAX, TORCH, Source
+from convert.tensors import WEIGHT_DTYPES, TensorRef, dtype_name, read_span
+
+EMBEDDING = {FLAX: "embedding/embedding", TORCH: "embedding.weight"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One source array of an output tensor: a whole TensorRef or layer `index` of a stacked one."""
+
+    ref: TensorRef
+    index: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.ref.shape if self.index is None else self.ref.shape[1:]
+
+    def load(self) -> np.ndarray:
+        array = self.ref.load()
+        return array if self.index is None else array[self.index, ...]  # [i, ...] keeps a 0-d gate an array
+
+    def read(self, scratch: Callable[[int], np.ndarray]) -> np.ndarray:
+        """The piece, read straight into the scratch buffer when its bytes lie in a file (only this layer's
+        slice is read), else the in-memory array itself."""
+        if self.ref.span is None:
+            return self.load()
+        path, offset = self.ref.span
+        out = scratch(math.prod(self.shape) * self.ref.dtype.itemsize).view(self.ref.dtype).reshape(self.shape)
+        read_span(path, offset + (self.index or 0) * out.nbytes, out)
+        return out
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One output tensor: name in the target layout, shape, dtype, and the source pieces it is made of.
+
+    With `stacked`, piece i becomes out[i] (layers stacked on a new leading axis); otherwise the single
+    piece is the whole tensor. `transpose` flips each piece's two axes (Dense kernel (in, out) <-> Linear
+    weight (out, in)). Nothing is read until `parts`, `fill` or `array`.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    pieces: tuple[Piece, ...]
+    stacked: bool = False
+    transpose: bool = False
+
+    @classmethod
+    def of(cls, name: str, array: np.ndarray) -> Planned:
+        """An in-memory array, as is."""
+        return cls(name, tuple(array.shape), array.dtype, (Piece(TensorRef.of(array)),))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the tensor into `out` (self.shape, self.dtype)."""
+        if self.stacked:
+            for i, piece in enumerate(self.pieces):
+                copy_into(out[i, ...], piece.load(), self.transpose)
+        else:
+            copy_into(out, self.pieces[0].load(), self.transpose)
+
+    def parts(self, scratch: Callable[[int, int], np.ndarray]) -> Iterator[tuple[int, np.ndarray]]:
+        """(byte offset within the tensor, C-contiguous array) per piece, for a writer.
+
+        scratch(slot, nbytes) lends reusable uint8 buffers (slot 0: source bytes, slot 1: transposed or
+        cast); a part that lives in one is valid until the next part is asked for.
+        """
+        shape = self.shape[1:] if self.stacked else self.shape
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        for i, piece in enumerate(self.pieces):
+            source = piece.read(lambda n: scratch(0, n))
+            if (not self.transpose and source.dtype == self.dtype and source.flags.c_contiguous
+                    and source.shape == shape):
+                yield i * nbytes, source  # already laid out as the file wants it
+            else:
+                out = scratch(1, nbytes).view(self.dtype).reshape(shape)
+                copy_into(out, source, self.transpose)
+                yield i * nbytes, out
+
+    def array(self) -> np.ndarray:
+        """The tensor as a C-contiguous array of its own (or the in-memory source, when nothing changes)."""
+        if not self.stacked and not self.transpose:
+            source = self.pieces[0].load()
+            if source.dtype == self.dtype and source.flags.c_contiguous and source.shape == self.shape:
+                return source
+        out = np.empty(self.shape, self.dtype)
+        self.fill(out)
+        return out
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def validate(source: Source, config: TransformerConfig, cast: np.dtype | None = None) -> None:
+    """One CheckpointError listing every missing, unexpected, mis-shaped and wrong-dtype tensor."""
+    found = {name: ref.shape for name, ref in source.tensors.items()}
+    expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
+    problems = _layer_count_problems(source, config)
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    misshaped = sorted(k for k in set(found) & set(expected) if tuple(found[k]) != tuple(expected[k]))
+    if missing:
+        problems.append(f"missing {len(missing)}: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: {', '.join(unexpected)}")
+    if misshaped:
+        problems.append("wrong shape: " + ", ".join(
+            f"{k} is {_fmt(found[k])}, expected {_fmt(expected[k])}" for k in misshaped))
+    problems += _dtype_problems(source, cast)
+    if problems:
+        hint = _config_hint(source, config)
+        raise CheckpointError(f"{source.path} does not match its config: " + "; ".join(problems)
+                              + (f". {hint}" if hint else ""))
+
+
+def _layer_count_problems(source: Source, config: TransformerConfig) -> list[str]:
+    """Layer counts seen in the tensors, per stack, when they contradict the config or each other."""
+    problems = []
+    for stack in ("encoder", "decoder"):
+        want = num_layers(config, stack)
+        if source.layout == TORCH:
+            pattern = re.compile(rf"^{stack}\.layers\.(\d+)\.")
+            indices = {int(m.group(1)) for name in source.tensors if (m := pattern.match(name))}
+            if indices and indices != set(range(want)):
+                problems.append(f"{stack} tensors cover layers {_ranges(sorted(indices))} but "
+                                f"config.num_{stack}_layers={want} (layers 0-{want - 1})")
+        else:
+            counts: dict[int, list[str]] = {}
+            for rule in rules(config):
+                ref = source.tensors.get(rule.flax)
+                if rule.stack == stack and ref is not None and len(ref.shape) >= 1:
+                    counts.setdefault(ref.shape[0], []).append(rule.flax)
+            if len(counts) > 1:
+                problems.append(f"{stack} stacked tensors disagree on the layer count: " + ", ".join(
+                    f"{n} in {names[0]}" + (f" (+{len(names) - 1} more)" if len(names) > 1 else "")
+                    for n, names in sorted(counts.items())))
+            elif counts and next(iter(counts)) != want:
+                problems.append(f"{stack} stacked tensors hold {next(iter(counts))} layers (leading axis) but "
+                                f"config.num_{stack}_layers={want}")
+    return problems
+
+
+def _dtype_problems(source: Source, cast: np.dtype | None) -> list[str]:
+    """Weights must be float32/bfloat16/float16, and (unless cast) all in the embedding's dtype."""
+    problems = []
+    bad_kind = sorted(n for n, r in source.tensors.items() if dtype_name(r.dtype) not in WEIGHT_DTYPES)
+    if bad_kind:
+        problems.append("wrong dtype: " + ", ".join(f"{n} is {dtype_name(source.tensors[n].dtype)}"
+                                                    for n in bad_kind)
+                        + f" (weights must be {', '.join(WEIGHT_DTYPES)})")
+    anchor = source.tensors.get(EMBEDDING[source.layout])
+    if cast is None and anchor is not None and dtype_name(anchor.dtype) in WEIGHT_DTYPES:
+        mixed = sorted(n for n, r in source.tensors.items()
+                       if r.dtype != anchor.dtype and dtype_name(r.dtype) in WEIGHT_DTYPES)
+        if mixed:
+            problems.append("mixed dtypes: " + ", ".join(f"{n} is {dtype_name(source.tensors[n].dtype)}"
+                                                         for n in mixed)
+                            + f" while the embedding is {dtype_name(anchor.dtype)} (cast all with --dtype)")
+    return problems
+
+
+def _config_hint(source: Source, config: TransformerConfig) -> str:
+    """Name the config fields the embedding contradicts, so a wrong config is recognised as such."""
+    ref = source.tensors.get(EMBEDDING[source.layout])
+    if ref is None or len(ref.shape) != 2:
+        return "Is the config the one this checkpoint was trained with?"
+    vocab, d_model = ref.shape
+    wrong = [f"{field}={got} but config.{field}={want}" for field, got, want in
+             (("vocab_size", vocab, config.vocab_size), ("d_model", d_model, config.d_model)) if got != want]
+    if wrong:
+        return f"The embedding {_fmt(ref.shape)} says {', '.join(wrong)}; fix the config"
+    has_ffn = any(("FeedForward" in name or ".ffn." in name) for name in source.tensors)
+    if has_ffn and config.no_feedforward:
+        return "The checkpoint has feed-forward weights but config.no_feedforward=True; fix the config"
+    if not has_ffn and not config.no_feedforward:
+        return "The checkpoint has no feed-forward weights but config.no_feedforward=False; fix the config"
+    return "Is the config the one this checkpoint was trained with?"
+
+
+def non_finite_error(path: object, bad: list[str]) -> CheckpointError:
+    return CheckpointError(f"{path}: NaN or Inf values in {len(bad)} tensor(s): {', '.join(sorted(bad))}; "
+                           "the weights are corrupt (diverged training?) and were not converted")
+
+
+def _fmt(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _ranges(indices: list[int]) -> str:
+    return f"{indices[0]}-{indices[-1]}" if indices == list(range(indices[0], indices[-1] + 1)) else str(indices)
+
+
+# ----------------------------------------------------------------------------- views
+
+
+# Source rows copied per step of a transpose: 16 sequential read streams and 32-64 byte writes per output row
+# stay in cache; numpy's own `a.T.copy()` strides across a whole column per element and is ~4x slower.
+_TRANSPOSE_BAND = 16
+
+
+def copy_into(out: np.ndarray, source: np.ndarray, transpose: bool = False) -> None:
+    """out[...] = source (or source.T), cast to out's dtype (round to nearest even, overflow gives Inf)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to Inf is reported by the finite check
+        if transpose and source.ndim == 2 and source.shape[0] >= 2 * _TRANSPOSE_BAND:
+            for i in range(0, source.shape[0], _TRANSPOSE_BAND):
+                np.copyto(out[:, i:i + _TRANSPOSE_BAND], source[i:i + _TRANSPOSE_BAND].T, casting="unsafe")
+        else:
+            np.copyto(out, source.T if transpose else source, casting="unsafe")
+
+
+def _out_dtype(source: Source, name: str, cast: np.dtype | None) -> np.dtype:
+    return cast if cast is not None else source.tensors[name].dtype
+
+
+def torch_view(source: Source, config: TransformerConfig, cast: np.dtype | None = None) -> list[Planned]:
+    """The checkpoint as torch state_dict tensors (per layer, Linear weights (out, in)), in table order."""
+    out = []
+    for rule in rules(config):
+        names = torch_names(rule, config)
+        if source.layout == TORCH:
+            out += [Planned(name, source.tensors[name].shape, _out_dtype(source, name, cast),
+                            (Piece(source.tensors[name]),)) for name in names]
+            continue
+        ref = source.tensors[rule.flax]
+        for i, name in enumerate(names):
+            piece = Piece(ref, i if rule.stack else None)  # (L, ...) -> layer i
+            out.append(Planned(name, torch_shape(rule, config), _out_dtype(source, rule.flax, cast), (piece,),
+                               transpose=rule.transpose))
+    return out
+
+
+def flax_view(source: Source, config: TransformerConfig, cast: np.dtype | None = None) -> list[Planned]:
+    """The checkpoint as upstream Flax arrays (stacked layers, Dense kernels (in, out)), in table order."""
+    out = []
+    for rule in rules(config):
+        shape = flax_shape(rule, config)
+        if source.layout == FLAX:
+            out.append(Planned(rule.flax, shape, _out_dtype(source, rule.flax, cast),
+                               (Piece(source.tensors[rule.flax]),)))
+            continue
+        names = torch_names(rule, config)
+        out.append(Planned(rule.flax, shape, _out_dtype(source, names[0], cast),
+                           tuple(Piece(source.tensors[name]) for name in names), stacked=rule.stack is not None,
+                           transpose=rule.transpose))
+    return out

@@ -1,0 +1,52 @@
+"""What every format reader returns: tensors by stored name, the config it carries, and where they came from."""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from convert.tensors import TensorRef
+
+FLAX, TORCH = "flax", "torch"  # layouts: upstream nested-tree paths ("a/b/c") or torch state_dict names
+_HASH_WINDOW = 16 * 2**20  # a multiple of mmap.ALLOCATIONGRANULARITY
+
+
+@dataclass
+class Source:
+    """A checkpoint opened for reading; tensor data stays on disk until a TensorRef is loaded."""
+
+    path: Path
+    format: str
+    layout: str
+    tensors: dict[str, TensorRef]
+    config_dict: dict[str, Any] | None = None  # as stored (upstream pickles: only non-default fields)
+    config_origin: str = ""  # where config_dict came from, for error messages
+    metadata: dict[str, str] = field(default_factory=dict)
+    sha256: Callable[[], str] | None = None  # hex digest of the source file(s), computed on demand
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file; of a directory, over its files' relative paths and hashes in sorted order."""
+    if path.is_dir():
+        outer = hashlib.sha256()
+        for p in sorted(q for q in path.rglob("*") if q.is_file()):
+            outer.update(f"{p.relative_to(path).as_posix()}\0{file_sha256(p)}\n".encode())
+        return outer.hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        # Hash straight from the page cache through a sliding mapping: no copy into our memory, and only
+        # one window is mapped at a time, so the file never counts towards our resident memory.
+        for start in range(0, size, _HASH_WINDOW):
+            with mmap.mmap(f.fileno(), min(_HASH_WINDOW, size - start), offset=start,
+                           access=mmap.ACCESS_READ) as window:
+                digest.update(window)
+    return digest.hexdigest()

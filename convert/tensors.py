@@ -1,0 +1,138 @@
+"""Lazy tensor handles, dtype names and the non-finite check shared by every checkpoint format."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from convert.errors import CheckpointError
+from convert.mapping import np_dtype
+
+# Weight dtypes a Needle checkpoint may hold (and --dtype may cast to).
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+
+# Per float format: (same-size unsigned int, exponent bits). With the sign bit cleared, a value's bit pattern
+# is >= the exponent bits exactly when it is Inf or NaN.
+_EXPONENT_MASK = {"float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80),
+                  "float32": (np.uint32, 0x7F800000), "float64": (np.uint64, 0x7FF0000000000000)}
+# Elements checked per step: bounds the one temporary of the bit test (8 MiB for float16).
+_FINITE_BLOCK = 1 << 22
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One array of a checkpoint: shape and dtype known up front, data read only by `load()`.
+
+    `span` = (file, byte offset) when the array's C-order, native-endian bytes lie in a file as they
+    are: writers then read exactly the slices they need straight into reused buffers.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    reader: Callable[[], np.ndarray]
+    span: tuple[Path, int] | None = None
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> TensorRef:
+        array = np.asarray(array)
+        return cls(tuple(array.shape), array.dtype, lambda: array)
+
+    @classmethod
+    def in_file(cls, path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> TensorRef:
+        """Raw C-order bytes at `offset` of `path`, read on demand."""
+
+        def read() -> np.ndarray:
+            out = np.empty(shape, dtype)
+            read_span(path, offset, out)
+            return out
+
+        return cls(tuple(shape), np.dtype(dtype), read, (Path(path), offset))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def load(self) -> np.ndarray:
+        array = np.asarray(self.reader())
+        if tuple(array.shape) != self.shape or array.dtype != self.dtype:
+            raise CheckpointError(f"tensor data is {array.dtype}{list(array.shape)}, header says "
+                                  f"{self.dtype}{list(self.shape)}; the file is corrupt")
+        return array
+
+
+def read_span(path: Path, offset: int, out: np.ndarray) -> None:
+    """Fill the C-contiguous `out` with out.nbytes bytes of path from offset (pread: no mapping, no page faults
+    on our side; the kernel copies from its page cache)."""
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise CheckpointError(f"{path}: truncated: {len(view) - got} bytes missing at byte {offset + got}; "
+                                      "the file changed or is damaged")
+            got += n
+    finally:
+        os.close(fd)
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """'float16', 'bfloat16', ... (ml_dtypes' bfloat16 has the name 'bfloat16' too)."""
+    return np.dtype(dtype).name
+
+
+def weight_dtype(name: str) -> np.dtype:
+    """numpy dtype for a --dtype value; the error lists the choices."""
+    if name not in WEIGHT_DTYPES:
+        raise CheckpointError(f"unknown dtype {name!r}; use one of {', '.join(WEIGHT_DTYPES)}")
+    return np_dtype(name)
+
+
+def is_finite(array: np.ndarray) -> bool:
+    """True when no element is NaN or +-Inf; a bit test on the exponent, block by block (no float temporaries)."""
+    name = dtype_name(array.dtype)
+    if name not in _EXPONENT_MASK:
+        return array.dtype.kind not in "fc" or bool(np.isfinite(array).all())
+    uint, exponent = _EXPONENT_MASK[name]
+    flat = np.ascontiguousarray(array).reshape(-1).view(uint)
+    no_sign = uint(np.iinfo(uint).max >> 1)
+    buf = _scratch(min(flat.size, _FINITE_BLOCK) * flat.itemsize).view(uint)
+    # An integer AND and a max reduction: ~20x faster than np.isfinite on float16, no float temporaries.
+    for start in range(0, flat.size, _FINITE_BLOCK):
+        block = flat[start:start + _FINITE_BLOCK]
+        magnitude = np.bitwise_and(block, no_sign, out=buf[:block.size])
+        if magnitude.max() >= exponent:
+            return False
+    return True
+
+
+class _Scratch(threading.local):
+    """A per-thread buffer reused across calls: no fresh (page-faulting) memory per tensor checked."""
+
+    buffer = np.empty(0, np.uint8)
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        if self.buffer.size < nbytes:
+            self.buffer = np.empty(max(nbytes, 1 << 20), np.uint8)
+        return self.buffer[:nbytes]
+
+
+_scratch = _Scratch()
+
+
+def cast(array: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
+    """array in `dtype` (None = unchanged); round-to-nearest-even, as numpy/ml_dtypes cast."""
+    if dtype is None or array.dtype == dtype:
+        return array
+    return array.astype(dtype)

@@ -1,0 +1,132 @@
+"""Greedy cached generation for the torch twin (`SimpleAttentionNetwork.generate` calls this).
+
+The encoder runs once, each decoder layer's cross-attention K/V are projected once per
+request into `DecoderCache`, and self-attention K/V go into preallocated float32 buffers
+(upstream's cached path), so a step costs one token's worth of decoder work.
+
+Contract (shared with `needle_flax.generate`): tokens (B, 1 + steps) start with EOS;
+each row stops at its first EOS (kept) and holds `pad_token_id` after it; the loop ends
+when every row has stopped or after `max_new_tokens` steps; `suppress_tokens` are never
+chosen. Shapes: B batch, S source length, L = max_new_tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from convert.generation import check_generate_args
+from needle_torch.model import SimpleAttentionNetwork, make_causal_mask
+
+Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
+
+
+def pick(logits: Tensor, done: Tensor, suppress: Tensor | None, eos: int, pad: int) -> tuple[Tensor, Tensor]:
+    """Greedy choice from float32 logits (B, V): suppressed ids never win, finished rows emit pad."""
+    if suppress is not None:
+        logits = logits.index_fill(1, suppress, float("-inf"))
+    nxt = logits.argmax(dim=-1)  # (B,), first index on ties like jnp.argmax
+    nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+    return nxt, done | (nxt == eos)
+
+
+def _greedy_loop(next_logits: Callable[[Tensor, int], Tensor], B: int, L: int, device: torch.device,
+                 suppress: tuple[int, ...], eos: int, pad: int, streamer: Streamer | None, return_logits: bool):
+    """Run up to L greedy steps; next_logits(tokens (B, 1+L), t) gives the (B, V) logits for position t + 1."""
+    suppress_ids = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
+    out = torch.full((B, L + 1), pad, dtype=torch.long, device=device)  # (B, 1+L)
+    out[:, 0] = eos
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    step_logits = []
+    steps = 0
+    while steps < L:
+        logits = next_logits(out, steps)  # (B, V) float32
+        nxt, done = pick(logits, done, suppress_ids, eos, pad)
+        out[:, steps + 1] = nxt
+        steps += 1
+        if return_logits:
+            step_logits.append(logits)
+        if streamer is not None:
+            streamer(nxt.cpu())
+        if bool(done.all()):  # one host sync per step; the streamer needs the tokens on the host anyway
+            break
+    tokens = out[:, : 1 + steps]
+    return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens
+
+
+def _prepare(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None, max_new_tokens: int,
+             eos_token_id: int, pad_token_id: int, suppress_tokens: Iterable[int] | None):
+    src = torch.as_tensor(src, device=model.device)
+    suppress = check_generate_args(model.config, tuple(src.shape), max_new_tokens, eos_token_id, pad_token_id,
+                                   suppress_tokens)
+    src_mask = None if src_mask is None else torch.as_tensor(src_mask, device=model.device)
+    if src_mask is not None and bool(src_mask.all()):
+        src_mask = None  # nothing is masked: skip building an additive mask in every layer at every step
+    return src, src_mask, suppress
+
+
+_compiled_decode_step: Callable | None = None
+
+
+def compiled_decode_step() -> Callable:
+    """`SimpleAttentionNetwork.decode_step(model, ...)` under torch.compile (one wrapper; graphs cached per shapes)."""
+    global _compiled_decode_step
+    if _compiled_decode_step is None:
+        _compiled_decode_step = torch.compile(SimpleAttentionNetwork.decode_step, fullgraph=True, dynamic=False)
+    return _compiled_decode_step
+
+
+@torch.inference_mode()
+def generate(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None = None, max_new_tokens: int = 64,
+             eos_token_id: int = 1, suppress_tokens: Iterable[int] | None = None, pad_token_id: int = 0, *,
+             streamer: Streamer | None = None, return_logits: bool = False, compile: bool = False):
+    """Greedy cached generation from EOS; LongTensor (B, 1 + steps), or (tokens, float32 logits (B, steps, V)).
+
+    src: (B, S) token ids; src_mask: bool (B, 1, 1, S) encoder/cross mask (None = attend everywhere, as
+    upstream passes it; use make_padding_mask for padded batches). streamer: called with each step's (B,)
+    tokens as they are produced. return_logits: also return the logits each step chose from (before
+    suppression). Runs in the model's dtype and on its device.
+    compile: run the decoder step under torch.compile with fixed shapes (attends over the whole cache under
+    a mask). Compiles once per (batch, source length, max_new_tokens, dtype); on 2 CPU cores that took
+    15-60 s and then saved 10-35% per step (benchmarks/bench_generate.py). float32 logits stay within 1e-6
+    of eager; in bfloat16 inductor keeps some intermediates in float32, as XLA's jit does, so logits move
+    by up to ~1e-2 relative (7e-3 on the fixtures, same tokens).
+    """
+    src, src_mask, suppress = _prepare(model, src, src_mask, max_new_tokens, eos_token_id, pad_token_id,
+                                       suppress_tokens)
+    L = int(max_new_tokens)
+    encoder_out, _ = model.encode(src, src_mask)  # (B, S, D)
+    cache = model.new_cache(encoder_out, L)  # cross K/V projected here, once
+
+    if compile:
+        step = compiled_decode_step()
+        positions = torch.arange(L, device=model.device)  # 0-d tensor positions: one graph for every step
+
+        def next_logits(out: Tensor, t: int) -> Tensor:
+            return step(model, out[:, t : t + 1], cache, positions[t], cross_mask=src_mask)[:, 0]  # (B, V)
+    else:
+        def next_logits(out: Tensor, t: int) -> Tensor:
+            return model.decode_step(out[:, t : t + 1], cache, t, cross_mask=src_mask)[:, 0]  # (B, V)
+
+    return _greedy_loop(next_logits, src.shape[0], L, model.device, suppress, eos_token_id, pad_token_id,
+                        streamer, return_logits)
+
+
+@torch.inference_mode()
+def generate_recompute(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None = None,
+                       max_new_tokens: int = 64, eos_token_id: int = 1, suppress_tokens: Iterable[int] | None = None,
+                       pad_token_id: int = 0, *, streamer: Streamer | None = None, return_logits: bool = False):
+    """Upstream's loop in torch (the whole (B, 1+L) buffer re-decoded every step, causal mask only): the reference."""
+    src, src_mask, suppress = _prepare(model, src, src_mask, max_new_tokens, eos_token_id, pad_token_id,
+                                       suppress_tokens)
+    L = int(max_new_tokens)
+    encoder_out, _ = model.encode(src, src_mask)  # (B, S, D)
+    causal = make_causal_mask(L + 1, model.device)  # (1, 1, 1+L, 1+L)
+
+    def next_logits(out: Tensor, t: int) -> Tensor:
+        return model.decode(out, encoder_out, causal, src_mask)[:, t]  # (B, V)
+
+    return _greedy_loop(next_logits, src.shape[0], L, model.device, suppress, eos_token_id, pad_token_id,
+                        streamer, return_logits)

@@ -1,0 +1,195 @@
+"""What `needle-twin parity` and `needle-twin rescore` do, minus argument parsing and printing.
+
+Checks that need no model (option values, output paths) run first, so a usage error exits
+before torch or jax is imported and nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from convert import atomic
+from convert.config import (
+    BOS_ID,
+    DTYPES,
+    EOS_ID,
+    NEEDLE_V1_PUBLISHED,
+    PAD_ID,
+    TOOL_CALL_ID,
+    TOOLS_ID,
+    UNK_ID,
+    TransformerConfig,
+)
+from convert.errors import ConfigError, NeedleTwinError
+from parity_tests.report import Report, render_html, to_json
+
+EMBEDDED_MODEL_SEED = 0  # the embedded default: random_flax_params(NEEDLE_V1_PUBLISHED, seed=0)
+SPECIAL_IDS = (PAD_ID, EOS_ID, BOS_ID, UNK_ID, TOOL_CALL_ID, TOOLS_ID)
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """CLI tolerance overrides (None = keep the profile's value)."""
+
+    profile: str | None = None
+    rtol: float | None = None
+    atol: float | None = None
+    kl_max: float | None = None
+    grad_rtol: float | None = None
+
+    def apply(self, base):
+        from parity_tests.tolerances import profile_by_name, with_overrides
+
+        profile = profile_by_name(self.profile) if self.profile else base
+        return with_overrides(profile, rtol=self.rtol, atol=self.atol, kl_max=self.kl_max, grad_rtol=self.grad_rtol)
+
+
+def check_choice(option: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise NeedleTwinError(f"{option} {value!r} is not one of {', '.join(choices)}")
+
+
+def select_jax_platform(platform_name: str) -> None:
+    """Pin JAX to CPU before its first import when asked for CPU: skips probing for accelerators."""
+    if platform_name == "cpu" and "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def load_models(flax_ckpt: str | None, torch_ckpt: str | None):
+    """(config, Flax params, torch params mapped to the Flax layout or None, model info for the report)."""
+    from convert.mapping import random_flax_params
+
+    if flax_ckpt is None:
+        if torch_ckpt is not None:
+            raise NeedleTwinError("--torch needs the Flax checkpoint it was converted from: "
+                                  "needle-twin parity FLAX_CKPT --torch TORCH_CKPT")
+        config = NEEDLE_V1_PUBLISHED
+        info = {"source": f"embedded default: random weights at the published size (seed {EMBEDDED_MODEL_SEED})",
+                "flax_checkpoint": None, "torch_checkpoint": None, "seed": EMBEDDED_MODEL_SEED}
+        return config, random_flax_params(config, EMBEDDED_MODEL_SEED), None, info
+
+    from convert.io import read_checkpoint
+
+    flax = read_checkpoint(flax_ckpt)
+    info = {"flax_checkpoint": str(flax_ckpt), "flax_format": flax.format, "torch_checkpoint": None,
+            "source": "checkpoint, converted to torch in memory"}
+    if torch_ckpt is None:
+        return flax.config, flax.params, None, info
+    other = _read_with_config(torch_ckpt, flax.config)
+    if other.config != flax.config:
+        theirs = other.config.to_dict()
+        diff = "; ".join(f"{k}: {v!r} vs {theirs[k]!r}" for k, v in flax.config.to_dict().items() if theirs[k] != v)
+        raise ConfigError(f"--torch {torch_ckpt} has a different config from {flax_ckpt} ({diff}); "
+                          "compare checkpoints of the same model")
+    info.update(torch_checkpoint=str(torch_ckpt), torch_format=other.format,
+                source="two checkpoints: the torch file checked against the Flax one")
+    return flax.config, flax.params, other.params, info
+
+
+def _read_with_config(path: str, config: TransformerConfig):
+    """A checkpoint with its own config (stored, or a config.json beside it); one that carries none gets `config`."""
+    from convert.io import open_source, read_checkpoint, resolve_config
+
+    try:
+        resolve_config(open_source(path))
+        own = True
+    except ConfigError:
+        own = False  # carries none (an invalid stored config fails again, loudly, in read_checkpoint)
+    return read_checkpoint(path, None if own else config)
+
+
+def make_batch(config: TransformerConfig, *, inputs: str | None, tokenizer: str | None, queries: Sequence[str],
+               tools: str, batch: int, src_len: int, tgt_len: int, seed: int):
+    from parity_tests import inputs as inp
+
+    if inputs and tokenizer:
+        raise NeedleTwinError("give either --inputs FILE or --tokenizer with --query, not both")
+    if queries and not tokenizer:
+        raise NeedleTwinError("--query needs --tokenizer MODEL (a SentencePiece model file)")
+    if tokenizer:
+        return inp.text_batch(tokenizer, queries, tools, config, tgt_len, seed)
+    if inputs:
+        return inp.load_token_file(inputs, config, tgt_len, seed)
+    return inp.random_batch(config, batch, src_len, tgt_len, seed)
+
+
+def check_outputs(paths: Sequence[str | None], force: bool) -> None:
+    """Refuse to clobber (without --force) before any work is done."""
+    given = [Path(p) for p in paths if p]
+    for path in given:
+        atomic.check_target(path, force=force, directory=False)
+    if len({p.resolve() for p in given}) < len(given):
+        raise NeedleTwinError("--json and --html name the same file; give two paths")
+
+
+def write_outputs(report: Report, json_path: str | None, html_path: str | None, force: bool) -> None:
+    """Each file whole or not at all (written beside the target, renamed into place)."""
+    for path, render in ((json_path, to_json), (html_path, render_html)):
+        if path:
+            with atomic.atomic_output(Path(path), force=force) as tmp:
+                tmp.write_text(render(report), encoding="utf-8")
+
+
+def parity(flax_ckpt: str | None = None, *, torch_ckpt: str | None = None, dtype: str = "float32",
+           mode: str = "propagated", batch: int = 4, src_len: int = 64, tgt_len: int = 32, seed: int = 0,
+           inputs: str | None = None, tokenizer: str | None = None, queries: Sequence[str] = (), tools: str = "",
+           json_path: str | None = None, html_path: str | None = None, force: bool = False,
+           torch_device: str = "cpu", jax_platform: str = "cpu", pin_precision: bool = True, grads: bool = True,
+           generate: int = 0, suppress_special: bool | None = None, overrides: Overrides = Overrides()) -> Report:
+    """Load, run the engine, write the requested files; returns the judged report.
+
+    suppress_special: keep greedy generation off the special ids 0..5; None = only for the embedded
+    random model, whose tied output otherwise echoes the fed token (EOS) and stops at step 0.
+    """
+    from parity_tests.engine import JAX_PLATFORMS, MODES
+
+    check_choice("--dtype", dtype, DTYPES)
+    check_choice("--mode", mode, MODES)
+    check_choice("--jax-platform", jax_platform, JAX_PLATFORMS)
+    if generate < 0:
+        raise NeedleTwinError(f"--generate must be >= 0, got {generate}")
+    check_outputs((json_path, html_path), force)
+    select_jax_platform(jax_platform)
+
+    from parity_tests.engine import run_parity
+    from parity_tests.tolerances import device_class, get_profile
+
+    profile = overrides.apply(get_profile(dtype, device_class(torch_device, jax_platform)))
+    if profile.dtype != dtype:
+        raise NeedleTwinError(f"--profile {profile.name} is for {profile.dtype}, but --dtype is {dtype}; "
+                              f"pick a {dtype} profile or change --dtype")
+    config, flax_params, torch_params, info = load_models(flax_ckpt, torch_ckpt)
+    data = make_batch(config, inputs=inputs, tokenizer=tokenizer, queries=queries, tools=tools, batch=batch,
+                      src_len=src_len, tgt_len=tgt_len, seed=seed)
+    seeds: dict[str, Any] = {"inputs": seed}
+    if flax_ckpt is None:
+        seeds["model"] = EMBEDDED_MODEL_SEED
+    if suppress_special is None:
+        suppress_special = flax_ckpt is None
+    report = run_parity(config, flax_params, data, torch_params=torch_params, dtype=dtype, mode=mode,
+                        profile=profile, torch_device_name=torch_device, jax_platform=jax_platform,
+                        pin_precision=pin_precision, grads=grads, generate=generate,
+                        suppress_tokens=SPECIAL_IDS if suppress_special else None, model_info=info, seeds=seeds)
+    write_outputs(report, json_path, html_path, force)
+    return report
+
+
+def rescore(report_path: str, *, json_path: str | None = None, html_path: str | None = None, force: bool = False,
+            overrides: Overrides = Overrides()) -> Report:
+    """Re-judge a saved JSON report against another profile or overridden budgets; no model runs."""
+    from parity_tests.report import load_json
+    from parity_tests.report import rescore as rescore_report
+
+    check_outputs((json_path, html_path), force)
+    old = load_json(report_path)
+    new = rescore_report(old, overrides.apply(old.profile))
+    if new.profile.dtype != old.dtype:
+        raise NeedleTwinError(f"profile {new.profile.name} is for {new.profile.dtype}, but the report was computed "
+                              f"in {old.dtype}; pick a {old.dtype} profile")
+    write_outputs(new, json_path, html_path, force)
+    return new

@@ -1,0 +1,77 @@
+"""Parity-suite fixtures: devices (CPU always, accelerators where present), the upstream fixture, tiny configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+FIXTURE_PKL = DATA / "needle-v1-tiny.pkl"
+FIXTURE_NPZ = DATA / "needle-v1-tiny.npz"
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where each twin runs for one parametrisation."""
+
+    name: str
+    torch: str  # --torch-device
+    jax: str  # --jax-platform
+
+
+DEVICES = {
+    "cpu": Device("cpu", "cpu", "cpu"),
+    "cuda": Device("cuda", "cuda", "gpu"),  # both twins on the GPU
+    "tpu": Device("tpu", "cpu", "tpu"),  # torch has no TPU backend: JAX on TPU against torch on CPU
+}
+
+
+def _missing(device: Device) -> str | None:
+    """Why this machine cannot run `device`, or None when it can."""
+    import jax
+    import torch
+
+    if device.torch == "cuda" and not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    if device.jax != "cpu":
+        try:
+            jax.devices(device.jax)
+        except RuntimeError:
+            seen = ", ".join(sorted({d.platform for d in jax.devices()}))
+            return f"JAX sees no {device.jax} device (only {seen})"
+    return None
+
+
+@pytest.fixture(params=list(DEVICES), scope="session")
+def device(request) -> Device:
+    """CPU always; CUDA and TPU where this machine has them (skipped with the reason otherwise)."""
+    d = DEVICES[request.param]
+    reason = _missing(d)
+    if reason:
+        pytest.skip(f"{d.name}: {reason}")
+    return d
+
+
+@pytest.fixture(scope="session")
+def fixture_checkpoint():
+    """The upstream-format tiny checkpoint, read through the safe loader."""
+    from convert.io import read_checkpoint
+
+    return read_checkpoint(FIXTURE_PKL)
+
+
+@pytest.fixture(scope="session")
+def golden():
+    """Inputs and activations computed by the upstream Flax code (tests/data/README.md)."""
+    with np.load(FIXTURE_NPZ) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="session")
+def fixture_batch(golden):
+    from parity_tests.inputs import Batch
+
+    return Batch(golden["src"], golden["tgt"], "upstream fixture")

@@ -1,0 +1,113 @@
+"""Greedy-generation parity: the torch twin's cached decoding against the Flax twin's, and each against its
+recompute reference, for the parity report's generation section.
+
+Logits are compared only while both twins have fed the same tokens: up to and including the
+first step whose chosen tokens differ (after that the inputs differ and so must the logits).
+Relative errors divide by the reference's largest magnitude (Flax for torch-vs-Flax, the
+recompute loop for cached-vs-recompute), as `convert.generation.max_rel_error` defines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from convert.config import EOS_ID
+from convert.generation import max_rel_error
+
+
+def _to_numpy(x) -> np.ndarray:
+    if type(x).__module__.startswith("torch"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def first_diff_step(a: np.ndarray, b: np.ndarray, pad: int) -> int | None:
+    """First generation step (0-based) where two (B, 1 + steps) token arrays differ in any row; None if none.
+
+    The shorter run is padded with `pad`, which is what it would have emitted after all rows stopped.
+    """
+    width = max(a.shape[1], b.shape[1])
+    a = np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=pad)
+    b = np.pad(b, ((0, 0), (0, width - b.shape[1])), constant_values=pad)
+    differs = np.flatnonzero((a != b).any(axis=0))
+    return None if differs.size == 0 else int(differs[0]) - 1
+
+
+def _compared_steps(tokens_a: np.ndarray, tokens_b: np.ndarray, logits_a: np.ndarray, logits_b: np.ndarray,
+                    pad: int) -> int:
+    """How many leading steps saw the same inputs in both runs (so their logits must agree)."""
+    common = min(logits_a.shape[1], logits_b.shape[1])
+    diff = first_diff_step(tokens_a, tokens_b, pad)
+    return common if diff is None else min(common, diff + 1)
+
+
+def _cached_vs_recompute(cached, recompute, pad: int) -> tuple[float, bool]:
+    (tok_c, log_c), (tok_r, log_r) = cached, recompute
+    n = _compared_steps(tok_c, tok_r, log_c, log_r, pad)
+    return max_rel_error(log_c[:, :n], log_r[:, :n]), first_diff_step(tok_c, tok_r, pad) is None
+
+
+def generation_parity(flax_model, flax_params, torch_model, src, src_mask, max_new_tokens: int,
+                      suppress_tokens: Iterable[int] | None = None) -> dict[str, Any]:
+    """Greedy tokens of both twins (cached), where they first differ, per-step logits errors and cached-vs-recompute.
+
+    src: (B, S) ids (numpy, jax or torch); src_mask: bool (B, 1, 1, S) or None. The twins run in
+    their own dtypes (Flax: config.dtype; torch: its parameters'); torch on its device.
+    """
+    import jax.numpy as jnp
+    import torch
+
+    from needle_flax.generate import generate as flax_generate
+    from needle_flax.generate import generate_recompute as flax_recompute
+    from needle_torch.generate import generate as torch_generate
+    from needle_torch.generate import generate_recompute as torch_recompute
+
+    pad = flax_model.config.pad_token_id
+    src_np = _to_numpy(src).astype(np.int64)
+    mask_np = None if src_mask is None else _to_numpy(src_mask).astype(bool)
+    kw = dict(max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, suppress_tokens=suppress_tokens,
+              pad_token_id=pad, return_logits=True)
+
+    def run_flax(fn):
+        mask = None if mask_np is None else jnp.asarray(mask_np)
+        tokens, logits = fn(flax_model, flax_params, jnp.asarray(src_np, jnp.int32), mask, **kw)
+        return np.asarray(tokens).astype(np.int64), np.asarray(logits)
+
+    def run_torch(fn):
+        device = torch_model.device
+        mask = None if mask_np is None else torch.from_numpy(mask_np).to(device)
+        tokens, logits = fn(torch_model, torch.from_numpy(src_np).to(device), mask, **kw)
+        return _to_numpy(tokens).astype(np.int64), _to_numpy(logits)
+
+    flax_cached, torch_cached = run_flax(flax_generate), run_torch(torch_generate)
+    flax_ref, torch_ref = run_flax(flax_recompute), run_torch(torch_recompute)
+
+    (f_tok, f_log), (t_tok, t_log) = flax_cached, torch_cached
+    n = _compared_steps(t_tok, f_tok, t_log, f_log, pad)
+    step_abs = [float(np.max(np.abs(t_log[:, k].astype(np.float64) - f_log[:, k]))) for k in range(n)]
+    step_rel = [max_rel_error(t_log[:, k], f_log[:, k]) for k in range(n)]
+    rows_equal = int(sum(first_diff_step(f_tok[i : i + 1], t_tok[i : i + 1], pad) is None
+                         for i in range(f_tok.shape[0])))
+    flax_cvr, flax_same = _cached_vs_recompute(flax_cached, flax_ref, pad)
+    torch_cvr, torch_same = _cached_vs_recompute(torch_cached, torch_ref, pad)
+    return {
+        "first_diff_step": first_diff_step(f_tok, t_tok, pad),
+        "max_new_tokens": int(max_new_tokens),
+        "steps_compared": n,
+        "rows_equal": rows_equal,
+        "rows": int(f_tok.shape[0]),
+        "tokens_equal": rows_equal == f_tok.shape[0],
+        "logits_max_abs": max(step_abs, default=0.0),
+        "logits_max_rel": max(step_rel, default=0.0),
+        "flax_cached_vs_recompute_max_rel": flax_cvr,
+        "torch_cached_vs_recompute_max_rel": torch_cvr,
+        "cached_equals_recompute_tokens": flax_same and torch_same,
+        "suppress_tokens": sorted({int(t) for t in (suppress_tokens or ())}),
+        "flax_tokens": f_tok.tolist(),
+        "torch_tokens": t_tok.tolist(),
+        "step_logits_max_abs": step_abs,
+        "step_logits_max_rel": step_rel,
+    }

@@ -1,0 +1,140 @@
+"""Named capture points, identical for both twins, and how to read them without editing either model.
+
+One table (`probe_table`) lists every probe in execution order with where it lives in each
+twin: a path into the Flax "intermediates" collection (sown values; scanned layers are
+stacked on axis 0, so a layer index picks the slice) and a torch module whose forward
+hook sees the value. Boundary probes are stage outputs (embeddings, block outputs, final
+norms): in isolated mode the torch run is fed the Flax value from each boundary onward,
+so every stage's error is its own and not drift from earlier stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from convert.config import TransformerConfig
+
+ENC_BLOCK = ("encoder", "layers", "EncoderBlock_0")
+DEC_BLOCK = ("decoder", "layers", "DecoderBlock_0")
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str  # canonical name, the same for both twins
+    flax: tuple[str, ...]  # path in the Flax "intermediates" collection
+    torch: str  # torch module whose forward output is the value
+    layer: int | None = None  # index into the Flax stacked-layer axis
+    boundary: bool = False  # a stage output: isolated mode substitutes the Flax value here
+    pass_: str = "text"  # "text" (encode + decode) or "contrastive" (encode_contrastive)
+
+
+def _encoder_block(i: int, has_ffn: bool) -> list[Probe]:
+    p = f"encoder.layers.{i}"
+    out = [
+        Probe(f"{p}.self_attn", (*ENC_BLOCK, "self_attn_out"), f"{p}.self_attn", i),
+        Probe(f"{p}.self_attn_residual", (*ENC_BLOCK, "self_attn_residual"), f"{p}.self_attn_residual", i),
+    ]
+    if has_ffn:
+        out.append(Probe(f"{p}.ffn", (*ENC_BLOCK, "ffn_out"), f"{p}.ffn", i))
+    out.append(Probe(f"{p}.out", (*ENC_BLOCK, "out"), p, i, boundary=True))
+    return out
+
+
+def _decoder_block(i: int, has_ffn: bool) -> list[Probe]:
+    p = f"decoder.layers.{i}"
+    out = [
+        Probe(f"{p}.self_attn", (*DEC_BLOCK, "self_attn_out"), f"{p}.self_attn", i),
+        Probe(f"{p}.cross_attn", (*DEC_BLOCK, "cross_attn_out"), f"{p}.cross_attn", i),
+    ]
+    if has_ffn:
+        out.append(Probe(f"{p}.ffn", (*DEC_BLOCK, "ffn_out"), f"{p}.ffn", i))
+    out.append(Probe(f"{p}.out", (*DEC_BLOCK, "out"), p, i, boundary=True))
+    return out
+
+
+def probe_table(config: TransformerConfig) -> list[Probe]:
+    """Every probe of this config, in execution order."""
+    ffn = not config.no_feedforward
+    table = [Probe("encoder.embed", ("encoder", "embed"), "encoder.embed", boundary=True)]
+    for i in range(config.num_encoder_layers):
+        table += _encoder_block(i, ffn)
+    table.append(Probe("encoder.out", ("encoder", "out"), "encoder.final_norm", boundary=True))
+    table.append(Probe("decoder.embed", ("decoder", "embed"), "decoder.embed", boundary=True))
+    for i in range(config.num_decoder_layers):
+        table += _decoder_block(i, ffn)
+    table.append(Probe("decoder.out", ("decoder", "out"), "decoder.final_norm", boundary=True))
+    table.append(Probe("logits", ("logits",), "logits_tap"))
+    table.append(Probe("contrastive", ("contrastive",), "contrastive_tap", pass_="contrastive"))
+    return table
+
+
+# ----------------------------------------------------------------------------- Flax
+
+
+def read_flax(intermediates: Mapping[str, Any], probe: Probe) -> np.ndarray:
+    """One probe's value from an "intermediates" collection (each sown value is a 1-tuple)."""
+    node: Any = intermediates
+    for key in probe.flax:
+        if key not in node:
+            raise KeyError(f"Flax intermediates have no {'/'.join(probe.flax)} (probe {probe.name})")
+        node = node[key]
+    value = np.asarray(node[0])
+    return value if probe.layer is None else value[probe.layer]
+
+
+def flax_probes(table: list[Probe], text: Mapping[str, Any], contrastive: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """{probe name: numpy value} from the intermediates of the text pass and the contrastive pass."""
+    source = {"text": text, "contrastive": contrastive}
+    return {p.name: read_flax(source[p.pass_], p) for p in table}
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def _output_tensor(output: Any):
+    """A block or tap returns a tensor; anything else means the model changed under the table."""
+    import torch
+
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"probe module returned {type(output).__name__}, expected a tensor")
+    return output
+
+
+@contextmanager
+def torch_capture(model, table: list[Probe], substitute: Mapping[str, Any] | None = None,
+                  ) -> Iterator[dict[str, Any]]:
+    """Forward hooks on the table's modules; yields {probe name: detached tensor}, filled as the model runs.
+
+    substitute: {probe name: tensor}. After capturing a boundary probe's own output, its hook
+    returns the substitute instead, so downstream modules run on that (Flax) value.
+    The first value a probe sees wins: later passes (the contrastive pass runs the encoder
+    again) do not overwrite it. Hooks are removed on exit, even after an error.
+    """
+    modules = dict(model.named_modules())
+    missing = sorted({p.torch for p in table} - set(modules))
+    if missing:
+        raise KeyError(f"torch model has no module(s) {', '.join(missing)} for the probe table")
+    captured: dict[str, Any] = {}
+    handles = []
+
+    def hook_for(probe: Probe):
+        def hook(module, args, output):
+            captured.setdefault(probe.name, _output_tensor(output).detach().clone())
+            if substitute is not None and probe.boundary and probe.name in substitute:
+                return substitute[probe.name]
+            return None
+
+        return hook
+
+    try:
+        for probe in table:
+            handles.append(modules[probe.torch].register_forward_hook(hook_for(probe)))
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()

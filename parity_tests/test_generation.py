@@ -1,0 +1,75 @@
+"""The generation section of the parity report: `generation_parity` on the upstream fixture, and on a broken twin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from convert.io import read_checkpoint
+from needle_flax.model import SimpleAttentionNetwork as FlaxModel
+from needle_flax.model import make_padding_mask
+from needle_torch.model import SimpleAttentionNetwork as TorchModel
+from parity_tests.generation import first_diff_step, generation_parity
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+SPECIAL = range(6)  # the fixtures' greedy loop never chose ids 0..5
+F32_REL = 1e-5  # float32 twins of one function: ~5e-7 seen on these fixtures
+
+
+@pytest.fixture(scope="module")
+def f32_twins():
+    jax.config.update("jax_default_matmul_precision", "highest")
+    torch.set_float32_matmul_precision("highest")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: on shared cores a second thread only waits for the first
+    ckpt = read_checkpoint(DATA / "needle-v1-tiny.pkl")
+    config = ckpt.config.replace(dtype="float32")
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ckpt.params)
+    yield FlaxModel(config), params, lambda: TorchModel.from_flax(ckpt.params, config, dtype=torch.float32)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return np.load(DATA / "needle-v1-tiny.npz")
+
+
+def test_fixture_generation_section_is_identical_within_float32(f32_twins, golden):
+    flax_model, params, torch_model = f32_twins
+    src = golden["src"]
+    r = generation_parity(flax_model, params, torch_model(), src, np.asarray(make_padding_mask(src)), 11, SPECIAL)
+    assert r["first_diff_step"] is None and r["tokens_equal"] and r["rows_equal"] == 3
+    assert r["torch_tokens"] == r["flax_tokens"] == golden["f32/greedy_tokens"].tolist()
+    assert r["steps_compared"] == 11 and len(r["step_logits_max_rel"]) == 11
+    assert r["logits_max_rel"] <= F32_REL
+    assert r["flax_cached_vs_recompute_max_rel"] <= F32_REL and r["torch_cached_vs_recompute_max_rel"] <= F32_REL
+    assert r["cached_equals_recompute_tokens"]
+
+
+def test_a_broken_twin_is_caught_at_the_first_step_it_differs(f32_twins, golden):
+    flax_model, params, torch_model = f32_twins
+    broken = torch_model()
+    chosen = int(golden["f32/greedy_tokens"][0, 1])  # row 0's first greedy pick (388)
+    with torch.no_grad():
+        broken.embedding.weight[chosen] *= -1  # its (tied) output logit flips sign: torch cannot pick it first
+    src = golden["src"]
+    r = generation_parity(flax_model, params, broken, src, np.asarray(make_padding_mask(src)), 5, SPECIAL)
+    assert r["first_diff_step"] == 0 and not r["tokens_equal"]
+    assert r["torch_tokens"][0][1] != chosen and r["flax_tokens"][0][1] == chosen
+    assert r["steps_compared"] == 1  # later steps saw different inputs: their logits are not comparable
+    assert r["logits_max_rel"] > 1e-2
+    # each twin still agrees with its own recompute reference: the breakage is in the weights, not the cache
+    assert r["flax_cached_vs_recompute_max_rel"] <= F32_REL and r["torch_cached_vs_recompute_max_rel"] <= F32_REL
+
+
+def test_first_diff_step_pads_the_shorter_run():
+    a = np.array([[1, 5, 6, 1], [1, 7, 1, 0]])
+    assert first_diff_step(a, a.copy(), pad=0) is None
+    assert first_diff_step(a, a[:, :3], pad=0) == 2  # a shorter run emits pad, row 0 chose EOS there
+    assert first_diff_step(a[1:], a[1:, :3], pad=0) is None  # row 1 had already stopped: pad == pad
+    assert first_diff_step(a, np.array([[1, 5, 9, 1], [1, 7, 1, 0]]), pad=0) == 1

@@ -1,0 +1,209 @@
+"""`needle-twin convert / inspect / diff` through typer's CliRunner and as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import FIXTURE_PKL
+from convert_helpers import REPO, TINY, assert_trees_bit_identical, leftovers, tiny_pickle, write_upstream_pickle
+from typer.testing import CliRunner
+
+import cli
+from convert.mapping import flatten_tree, random_flax_params
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(cli.app, [str(a) for a in args])
+
+
+def run(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+def _load(path):
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def test_convert_both_ways_in_process(tmp_path):
+    st, back = tmp_path / "m.safetensors", tmp_path / "back.pkl"
+    result = invoke("convert", FIXTURE_PKL, st)
+    assert result.exit_code == 0, result.stderr
+    assert "wrote" in result.stdout and "upstream-pickle" in result.stdout and "float16" in result.stdout
+    assert invoke("convert", st, back, "--quiet").stdout == ""
+    original, again = _load(FIXTURE_PKL), _load(back)
+    assert_trees_bit_identical(again["params"], original["params"])
+    assert again["config"] == original["config"]
+
+
+def test_convert_as_subprocess(tmp_path):
+    st = tmp_path / "m.safetensors"
+    result = run("convert", FIXTURE_PKL, st)
+    assert result.returncode == 0, result.stderr
+    assert st.is_file() and result.stderr == ""
+    again = run("convert", FIXTURE_PKL, st)  # exists, no --force
+    assert again.returncode == 2
+    assert again.stderr.strip().count("\n") == 0 and "already exists; pass --force" in again.stderr
+    assert run("convert", FIXTURE_PKL, st, "--force", "--dtype", "bfloat16").returncode == 0
+
+
+def test_hostile_pickle_as_subprocess(tmp_path):
+    marker = tmp_path / "marker"
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(b"\x80\x02cposix\nsystem\n(X" + f"touch {marker}".encode().__len__().to_bytes(4, "little")
+                     + f"touch {marker}".encode() + b"tR.")
+    result = run("convert", evil, tmp_path / "out.safetensors")
+    assert result.returncode == 2
+    assert "forbidden global posix.system" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not marker.exists() and not (tmp_path / "out.safetensors").exists()
+
+
+def test_to_flax_directory_writes_orbax_and_diff_sees_no_change(tmp_path):
+    result = invoke("convert", FIXTURE_PKL, tmp_path / "ck", "--to", "flax")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "ck" / "_CHECKPOINT_METADATA").is_file() and (tmp_path / "ck" / "config.json").is_file()
+    diff = invoke("diff", FIXTURE_PKL, tmp_path / "ck")
+    assert diff.exit_code == 0, diff.stdout + diff.stderr
+    assert "checkpoints are identical" in diff.stdout
+
+
+def test_directory_defaults_to_hf_layout_and_shards(tmp_path):
+    result = invoke("convert", FIXTURE_PKL, tmp_path / "hf", "--max-shard-size", "50KB")
+    assert result.exit_code == 0, result.stderr
+    names = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert "model.safetensors.index.json" in names and "config.json" in names
+    assert sum(n.startswith("model-") for n in names) >= 3  # ~220 KB of weights over 50 KB shards
+    assert invoke("diff", tmp_path / "hf", FIXTURE_PKL).exit_code == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--to", "flax"], "contradicts the output name"),
+    (["--max-shard-size", "1GB"], "--max-shard-size applies to a directory output"),
+    (["--dtype", "float64"], "unknown dtype 'float64'"),
+    (["--to", "jax"], "--to 'jax' is unknown"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, args, message):
+    result = invoke("convert", FIXTURE_PKL, tmp_path / "m.safetensors", *args)
+    assert result.exit_code == 2 and message in result.stderr and result.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_bad_max_shard_size(tmp_path):
+    result = invoke("convert", FIXTURE_PKL, tmp_path / "hf", "--max-shard-size", "lots")
+    assert result.exit_code == 2 and "cannot read the size 'lots'" in result.stderr
+    assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
+
+
+def test_config_option_for_a_bare_state_dict(tmp_path):
+    import torch
+
+    from convert.mapping import flax_to_torch
+
+    params = random_flax_params(TINY, dtype="bfloat16")
+    torch.save(flax_to_torch(params, TINY), tmp_path / "ft.pt")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "tiny.json").write_text(json.dumps(TINY.to_dict(only_non_default=True)))
+    assert invoke("convert", tmp_path / "ft.pt", tmp_path / "x.pkl").exit_code == 2  # no config anywhere
+    result = invoke("convert", tmp_path / "ft.pt", tmp_path / "x.pkl", "--config", tmp_path / "cfg" / "tiny.json")
+    assert result.exit_code == 0, result.stderr
+    assert_trees_bit_identical(_load(tmp_path / "x.pkl")["params"], params)
+
+
+def test_inspect_json_lists_everything(tmp_path):
+    invoke("convert", FIXTURE_PKL, tmp_path / "m.safetensors")
+    result = invoke("inspect", tmp_path / "m.safetensors", "--json")
+    assert result.exit_code == 0, result.stderr
+    info = json.loads(result.stdout)
+    original = _load(FIXTURE_PKL)
+    assert info["format"] == "safetensors" and info["layout"] == "torch" and info["check"] == "ok"
+    assert info["config"]["d_model"] == original["config"]["d_model"] == 64
+    flat = flatten_tree(original["params"])
+    assert info["num_parameters"] == sum(a.size for a in flat.values())
+    assert info["num_bytes"] == sum(a.nbytes for a in flat.values())
+    assert info["dtypes"] == {"float16": info["num_tensors"]}
+    tensors = {t["name"]: t for t in info["tensors"]}
+    assert tensors["encoder.layers.1.self_attn.q_proj.weight"] == {
+        "name": "encoder.layers.1.self_attn.q_proj.weight", "shape": [64, 64], "dtype": "float16"}
+    assert info["metadata"]["source_format"] == "upstream-pickle"
+
+
+def test_inspect_text_and_a_broken_checkpoint(tmp_path):
+    result = invoke("inspect", FIXTURE_PKL)
+    assert result.exit_code == 0
+    assert "format:     upstream-pickle (flax layout)" in result.stdout
+    assert "encoder/layers/EncoderBlock_0/self_attn/k_proj/kernel" in result.stdout
+    params = random_flax_params(TINY, dtype="float16")
+    del params["log_temp"]
+    src = write_upstream_pickle(tmp_path / "broken.pkl", params, TINY.to_dict(only_non_default=True))
+    info = json.loads(invoke("inspect", src, "--json").stdout)  # inspect still shows what is there
+    assert "missing 1: log_temp" in info["check"]
+
+
+def test_diff_reports_key_and_value_differences(tmp_path):
+    params = random_flax_params(TINY, seed=0, dtype="float32")
+    a = write_upstream_pickle(tmp_path / "a.pkl", params, TINY.to_dict(only_non_default=True))
+    changed = {k: v.copy() for k, v in flatten_tree(params).items()}
+    kernel = "decoder/layers/DecoderBlock_0/self_attn/v_proj/kernel"
+    changed[kernel][1, 2, 3] += 0.25
+    changed[kernel][0, 0, 0] -= 0.5
+    from convert.mapping import unflatten_tree
+
+    b = write_upstream_pickle(tmp_path / "b.pkl", unflatten_tree(changed), TINY.to_dict(only_non_default=True))
+    invoke("convert", b, tmp_path / "b.safetensors")
+    result = invoke("diff", a, tmp_path / "b.safetensors", "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["identical"] is False and report["only_in_a"] == [] and report["config"] == {}
+    rows = {t["name"]: t for t in report["tensors"]}
+    assert rows[kernel]["status"] == "values" and rows[kernel]["num_different"] == 2
+    expected = float(np.max(np.abs(flatten_tree(params)[kernel].astype(np.float64) - changed[kernel])))
+    assert rows[kernel]["max_abs"] == expected
+    assert all(t["status"] == "identical" for n, t in rows.items() if n != kernel)
+    text = invoke("diff", a, tmp_path / "b.safetensors")
+    assert text.exit_code == 1 and kernel in text.stdout and "checkpoints differ" in text.stdout
+
+
+def test_diff_reports_config_and_missing_keys(tmp_path):
+    a = tiny_pickle(tmp_path / "a.pkl")
+    ffn = TINY.replace(no_feedforward=False, d_ff=16)
+    b = write_upstream_pickle(tmp_path / "b.pkl", random_flax_params(ffn, dtype="float16"),
+                              ffn.to_dict(only_non_default=True))
+    report = json.loads(invoke("diff", a, b, "--json").stdout)
+    assert report["config"]["no_feedforward"] == {"a": True, "b": False}
+    assert "encoder/layers/EncoderBlock_0/FeedForward_0/up_proj/kernel" in report["only_in_b"]
+
+
+def test_sigterm_mid_conversion_leaves_nothing(tmp_path):
+    """A real process gets SIGTERM while writing: it exits 130 and removes its temporary file."""
+    src = tiny_pickle(tmp_path / "m.pkl")
+    dst = tmp_path / "out.safetensors"
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        import convert.io as io
+        real, calls = io.is_finite, [0]
+        def slow(chunk):
+            calls[0] += 1
+            if calls[0] == 10:  # part of the output is on disk by now
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(chunk)
+        io.is_finite = slow
+        sys.argv = ["needle-twin", "convert", {str(src)!r}, {str(dst)!r}]
+        import cli
+        cli.main()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130, result.stderr  # default SIGTERM handling would give -15 and leave the temp
+    assert "interrupted; nothing was written" in result.stderr
+    assert not dst.exists() and leftovers(tmp_path) == []
+    assert os.listdir(tmp_path) == ["m.pkl"]

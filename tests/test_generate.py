@@ -1,0 +1,342 @@
+"""Greedy generation in both twins: upstream's fixtures, cached == recompute, EOS/padding/suppression, compile-once."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from convert.config import TransformerConfig
+from convert.errors import GenerationError
+from convert.generation import max_rel_error
+from convert.mapping import random_flax_params
+from needle_flax import generate as flax_generate
+from needle_flax import generate_recompute as flax_recompute
+from needle_flax.model import SimpleAttentionNetwork as FlaxModel
+from needle_flax.model import make_padding_mask as flax_padding_mask
+from needle_torch import generate as torch_generate
+from needle_torch import generate_recompute as torch_recompute
+from needle_torch.generate import pick
+from needle_torch.model import SimpleAttentionNetwork as TorchModel
+from needle_torch.model import make_padding_mask as torch_padding_mask
+
+SPECIAL = tuple(range(6))  # PAD EOS BOS UNK <tool_call> <tools>: the fixtures' greedy loop never chose these
+F32_REL = 1e-5  # float32 twins of one function: ~5e-7 seen; 1e-5 is the project's float32 logits budget
+# bf16: 8-bit mantissa (unit roundoff 3.9e-3); through 2+2 layers the twins' bf16 logits sit up to ~1.3e-2
+# (relative to max |logit|) from upstream's eagerly computed bf16 goldens, so 3e-2 bounds it with margin.
+BF16_REL = 3e-2
+# A greedy row is only *determined* by bf16 logits when every step's top-1/top-2 gap exceeds twice the
+# largest absolute logit error bf16 can make here (0.025 ~ BF16_REL x max |logit| ~ 1.7).
+BF16_DECISIVE_GAP = 2 * 0.025
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These models are tiny: on shared cores a second torch thread only waits for the first (10-100x slower).
+
+    (float32 parity also needs full-precision matmuls: conftest pins them for the session.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fixture(golden):
+    return golden
+
+
+@pytest.fixture(scope="module")
+def checkpoint(fixture_checkpoint):
+    return fixture_checkpoint
+
+
+class Twins:
+    """Both twins of one checkpoint in one compute dtype, and runners with one signature."""
+
+    def __init__(self, params, config: TransformerConfig, dtype: str):
+        self.config = config.replace(dtype=dtype)
+        self.flax_model = FlaxModel(self.config)
+        self.flax_params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)  # upstream casts every param
+        self.torch_model = TorchModel.from_flax(params, self.config, dtype=getattr(torch, dtype))
+
+    def run(self, which: str, src: np.ndarray, masked: bool = True, **kw):
+        """which: torch-cached, torch-recompute, flax-cached, flax-recompute; returns numpy (tokens, logits?)."""
+        backend, kind = which.split("-")
+        if backend == "torch":
+            fn = torch_generate if kind == "cached" else torch_recompute
+            s = torch.from_numpy(np.asarray(src)).long()
+            out = fn(self.torch_model, s, torch_padding_mask(s) if masked else None, **kw)
+        else:
+            fn = flax_generate if kind == "cached" else flax_recompute
+            s = jnp.asarray(src, jnp.int32)
+            out = fn(self.flax_model, self.flax_params, s, flax_padding_mask(s) if masked else None, **kw)
+        if isinstance(out, tuple):
+            return tuple(np.asarray(o) for o in out)
+        return np.asarray(out)
+
+
+@pytest.fixture(scope="module")
+def f32(checkpoint):
+    return Twins(checkpoint.params, checkpoint.config, "float32")
+
+
+@pytest.fixture(scope="module")
+def bf16(checkpoint):
+    return Twins(checkpoint.params, checkpoint.config, "bfloat16")
+
+
+RUNNERS = ["torch-cached", "torch-recompute", "flax-cached", "flax-recompute"]
+
+
+# ----------------------------------------------------------------------------- upstream fixtures
+
+
+@pytest.mark.parametrize("which", RUNNERS)
+def test_float32_reproduces_upstream_greedy_tokens_and_step_logits(f32, fixture, which):
+    steps = fixture["f32/greedy_tokens"].shape[1] - 1
+    tokens, logits = f32.run(which, fixture["src"], max_new_tokens=steps, suppress_tokens=SPECIAL,
+                             return_logits=True)
+    np.testing.assert_array_equal(tokens, fixture["f32/greedy_tokens"])
+    # The fixture's step logits are the raw logits (before suppression) each greedy step chose from.
+    expected = fixture["f32/greedy_step_logits"]
+    for k in range(steps):
+        assert max_rel_error(logits[:, k], expected[:, k]) <= F32_REL, f"step {k}"
+
+
+@pytest.mark.parametrize("which", RUNNERS)
+def test_bfloat16_runs_and_matches_upstream_where_bf16_decides(bf16, fixture, which):
+    steps = fixture["bf16/greedy_tokens"].shape[1] - 1
+    tokens, logits = bf16.run(which, fixture["src"], max_new_tokens=steps, suppress_tokens=SPECIAL,
+                              return_logits=True)
+    expected_tokens, expected_logits = fixture["bf16/greedy_tokens"], fixture["bf16/greedy_step_logits"]
+    assert tokens.shape == expected_tokens.shape
+    assert np.isfinite(logits).all()
+    gaps = _top2_gaps(expected_logits, SPECIAL)  # (B,) smallest top-1/top-2 gap over the steps
+    decisive = gaps > BF16_DECISIVE_GAP
+    assert decisive.any(), "the check would be vacuous: no fixture row is decided beyond bf16 error"
+    agree = (tokens == expected_tokens).all(axis=1)
+    assert agree[decisive].all(), f"rows {np.flatnonzero(decisive & ~agree)} differ though bf16 cannot flip them"
+    # Logits are comparable while a row follows upstream's tokens (the inputs are then the same).
+    for r in np.flatnonzero(agree):
+        assert max_rel_error(logits[r], expected_logits[r]) <= BF16_REL, f"row {r}"
+    print(f"{which}: {agree.sum()}/{len(agree)} bf16 rows equal upstream's ({decisive.sum()} decided beyond bf16 "
+          f"error, gaps {np.round(gaps, 4).tolist()})")
+
+
+def _top2_gaps(logits: np.ndarray, suppress) -> np.ndarray:
+    masked = logits.astype(np.float64).copy()
+    masked[..., list(suppress)] = -np.inf
+    top2 = np.sort(masked, axis=-1)[..., -2:]  # (B, steps, 2)
+    return (top2[..., 1] - top2[..., 0]).min(axis=1)
+
+
+# ----------------------------------------------------------------------------- cached == recompute
+
+
+def _tiny_ffn_twins(dtype: str = "float32") -> Twins:
+    """A second architecture: FFN on (geglu), MQA, odd sizes; every weight random."""
+    config = TransformerConfig(vocab_size=97, d_model=48, num_heads=4, num_kv_heads=1, num_encoder_layers=1,
+                               num_decoder_layers=2, d_ff=40, no_feedforward=False, activation="geglu",
+                               max_seq_len=32)
+    return Twins(random_flax_params(config, seed=3, std=0.2), config, dtype)
+
+
+def _random_src(config: TransformerConfig, lengths: list[int], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    src = np.zeros((len(lengths), max(lengths)), np.int32)
+    for i, n in enumerate(lengths):
+        src[i, :n] = rng.integers(6, config.vocab_size, n)
+    return src
+
+
+@pytest.mark.parametrize("backend", ["torch", "flax"])
+@pytest.mark.parametrize("model", ["fixture", "tiny-ffn-mqa"])
+def test_cached_logits_equal_recompute_logits_at_every_step_float32(f32, fixture, backend, model):
+    twins, src = (f32, fixture["src"]) if model == "fixture" else (_tiny_ffn_twins(), None)
+    if src is None:
+        src = _random_src(twins.config, [9, 5, 7])
+    kw = dict(max_new_tokens=10, suppress_tokens=SPECIAL, return_logits=True)
+    tokens_c, logits_c = twins.run(f"{backend}-cached", src, **kw)
+    tokens_r, logits_r = twins.run(f"{backend}-recompute", src, **kw)
+    np.testing.assert_array_equal(tokens_c, tokens_r)
+    assert logits_c.shape == logits_r.shape == (src.shape[0], 10, twins.config.vocab_size)
+    for k in range(10):
+        assert max_rel_error(logits_c[:, k], logits_r[:, k]) <= F32_REL, f"step {k}"
+
+
+@pytest.mark.parametrize("backend", ["torch", "flax"])
+def test_cached_equals_recompute_in_bfloat16(bf16, fixture, backend):
+    kw = dict(max_new_tokens=6, suppress_tokens=SPECIAL, return_logits=True)
+    tokens_c, logits_c = bf16.run(f"{backend}-cached", fixture["src"], **kw)
+    tokens_r, logits_r = bf16.run(f"{backend}-recompute", fixture["src"], **kw)
+    np.testing.assert_array_equal(tokens_c, tokens_r)
+    # Same arithmetic in both paths (the cache holds K/V in float32, exactly what recompute feeds attention);
+    # only matmul shapes differ, so the gap is far below one bf16 ulp of the logits (2^-8 relative).
+    assert max_rel_error(logits_c, logits_r) <= 2.0**-8
+
+
+def test_torch_and_flax_choose_identical_tokens_float32_on_random_model():
+    twins = _tiny_ffn_twins()
+    src = _random_src(twins.config, [11, 4, 8, 6], seed=5)
+    tokens_t, logits_t = twins.run("torch-cached", src, max_new_tokens=12, return_logits=True)
+    tokens_f, logits_f = twins.run("flax-cached", src, max_new_tokens=12, return_logits=True)
+    np.testing.assert_array_equal(tokens_t, tokens_f)
+    n = min(logits_t.shape[1], logits_f.shape[1])
+    assert max_rel_error(logits_t[:, :n], logits_f[:, :n]) <= F32_REL
+
+
+# ----------------------------------------------------------------------------- EOS, padding, suppression
+
+
+def _expected_with_eos(tokens_no_eos, logits_no_eos, allowed, eos, pad):
+    """From a run where EOS was suppressed: rows stop at the first step whose raw logits put EOS first among
+    `allowed` (argmax keeps the first index on ties, and EOS has the lowest id), then hold `pad`."""
+    B, steps = logits_no_eos.shape[:2]
+    out = np.full((B, 1 + steps), pad, np.int64)
+    out[:, 0] = eos
+    last = 0
+    for r in range(B):
+        for k in range(steps):
+            choice = allowed[int(np.argmax(logits_no_eos[r, k, allowed]))]
+            out[r, k + 1] = choice
+            if choice == eos:
+                break
+            assert choice == tokens_no_eos[r, k + 1]
+        last = max(last, k + 1)
+    return out[:, : 1 + last]
+
+
+@pytest.mark.parametrize("backend", ["torch", "flax"])
+@pytest.mark.parametrize("low", [195, 249])  # 195: rows stop at different steps or run on; 249: all stop early
+def test_rows_stop_at_eos_independently_and_pad_after(f32, fixture, backend, low):
+    V, eos, pad = f32.config.vocab_size, 1, 7
+    allowed = [eos, low, low + 1, low + 2]
+    suppress = [i for i in range(V) if i not in allowed]
+    tokens_a, logits_a = f32.run(f"{backend}-cached", fixture["src"], max_new_tokens=10,
+                                 suppress_tokens=suppress + [eos], pad_token_id=pad, return_logits=True)
+    expected = _expected_with_eos(tokens_a, logits_a, allowed, eos, pad)
+    assert (expected == eos)[:, 1:].any(), "the case must make EOS win somewhere"
+    tokens = f32.run(f"{backend}-cached", fixture["src"], max_new_tokens=10, suppress_tokens=suppress,
+                     pad_token_id=pad)
+    np.testing.assert_array_equal(tokens, expected)
+    if low == 249:
+        assert tokens.shape[1] < 11, "all rows stopped, so the loop must end before max_new_tokens"
+        return
+    for r in range(len(tokens)):  # each row alone decodes the same: rows do not leak into each other
+        alone = f32.run(f"{backend}-cached", fixture["src"][r : r + 1], max_new_tokens=10,
+                        suppress_tokens=suppress, pad_token_id=pad)
+        width = alone.shape[1]
+        np.testing.assert_array_equal(alone[0], tokens[r, :width])
+        assert (tokens[r, width:] == pad).all()
+
+
+@pytest.mark.parametrize("which", RUNNERS)
+def test_suppressed_tokens_are_never_chosen(f32, fixture, which):
+    free = f32.run(which, fixture["src"], max_new_tokens=6)
+    suppress = sorted(set(free[:, 1:].ravel().tolist()) | {0, 2, 3})
+    tokens = f32.run(which, fixture["src"], max_new_tokens=6, suppress_tokens=suppress)
+    chosen = tokens[:, 1:]
+    assert not np.isin(chosen, suppress).any()
+    assert chosen.shape == (3, 6)
+
+
+def test_pick_rule_on_handmade_logits():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 1.0], [3.0, 1.0, 2.0, 2.0], [0.0, 9.0, 0.0, 0.0]])
+    done = torch.tensor([False, False, True])
+    nxt, now_done = pick(logits, done, torch.tensor([0]), eos=1, pad=3)
+    assert nxt.tolist() == [1, 2, 3]  # row 0 picks EOS; row 1: 0 suppressed, tie 2/3 -> first; row 2 done -> pad
+    assert now_done.tolist() == [True, False, True]
+
+
+# ----------------------------------------------------------------------------- streaming, API, compile-once
+
+
+@pytest.mark.parametrize("backend", ["torch", "flax"])
+def test_streamer_sees_every_step_in_order(f32, fixture, backend):
+    seen = []
+    tokens = f32.run(f"{backend}-cached", fixture["src"], max_new_tokens=5, suppress_tokens=SPECIAL,
+                     streamer=lambda step: seen.append(np.asarray(step).tolist()))
+    assert np.array(seen).T.tolist() == tokens[:, 1:].tolist()
+
+
+def test_torch_model_generate_method_is_the_cached_loop(f32, fixture):
+    src = torch.from_numpy(fixture["src"]).long()
+    via_method = f32.torch_model.generate(src, torch_padding_mask(src), max_new_tokens=11, suppress_tokens=SPECIAL)
+    assert via_method.dtype == torch.long
+    np.testing.assert_array_equal(via_method.numpy(), fixture["f32/greedy_tokens"])
+
+
+def test_flax_loop_compiles_once_for_all_steps_and_requests(f32, fixture, caplog):
+    kw = dict(max_new_tokens=7, suppress_tokens=(0, 2, 3, 4, 5))  # a combination no other test compiles
+    with caplog.at_level(logging.DEBUG, logger="jax._src.dispatch"), jax.log_compiles():
+        first = f32.run("flax-cached", fixture["src"], **kw)
+        n_first = _compilations(caplog, "_cached_loop")
+        caplog.clear()
+        second = f32.run("flax-cached", fixture["src"][:, ::-1].copy(), **kw)  # same shapes, other tokens
+        n_second = _compilations(caplog, "_cached_loop")
+    assert first.shape == (3, 8) and not np.array_equal(first, second)
+    assert (n_first, n_second) == (1, 0)
+
+
+def _compilations(caplog, name: str) -> int:
+    return sum(f"compilation of jit({name})" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("backend", ["torch", "flax"])
+@pytest.mark.parametrize("bad, message", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(suppress_tokens=[512]), "outside the vocabulary"),
+    (dict(suppress_tokens=range(512)), "no token can be chosen"),
+    (dict(eos_token_id=-1), "eos_token_id"),
+    (dict(pad_token_id=10_000), "pad_token_id"),
+])
+def test_bad_arguments_name_the_problem(f32, fixture, backend, bad, message):
+    with pytest.raises(GenerationError, match=message):
+        f32.run(f"{backend}-cached", fixture["src"], **{"max_new_tokens": 3, **bad})
+
+
+@pytest.mark.parametrize("backend", ["torch", "flax"])
+def test_one_dimensional_src_is_refused(f32, fixture, backend):
+    with pytest.raises(GenerationError, match="batch"):
+        f32.run(f"{backend}-cached", fixture["src"][0], masked=False, max_new_tokens=3)
+
+
+# ----------------------------------------------------------------------------- torch static shapes / torch.compile
+
+
+def test_torch_tensor_cache_positions_give_the_same_logits_as_int_positions(f32, fixture):
+    """The static-shape path (whole cache under a mask, as torch.compile and CUDA graphs need) is the same function."""
+    model, src = f32.torch_model, torch.from_numpy(fixture["src"]).long()
+    mask = torch_padding_mask(src)
+    with torch.inference_mode():
+        encoder_out, _ = model.encode(src, mask)
+        by_int, by_tensor = model.new_cache(encoder_out, 6), model.new_cache(encoder_out, 6)
+        tokens = torch.from_numpy(fixture["f32/greedy_tokens"][:, :6]).long()
+        for t in range(6):
+            a = model.decode_step(tokens[:, t : t + 1], by_int, t, cross_mask=mask)
+            b = model.decode_step(tokens[:, t : t + 1], by_tensor, torch.tensor(t), cross_mask=mask)
+            assert max_rel_error(b, a) <= F32_REL, f"step {t}"
+        # the whole prefix at once through the static path equals the step-by-step prefix path
+        whole = model.decode_step(tokens, model.new_cache(encoder_out, 6), torch.tensor(0), cross_mask=mask)
+        assert max_rel_error(whole[:, -1], a[:, 0]) <= F32_REL
+
+
+@pytest.mark.slow
+def test_torch_compiled_generation_matches_eager_and_compiles_one_graph(f32, fixture):
+    from torch._dynamo.utils import counters
+
+    src = torch.from_numpy(fixture["src"]).long()
+    mask = torch_padding_mask(src)
+    graphs = counters["stats"]["unique_graphs"]
+    tokens, logits = torch_generate(f32.torch_model, src, mask, 11, suppress_tokens=SPECIAL, return_logits=True,
+                                    compile=True)
+    again = torch_generate(f32.torch_model, src.flip(1), mask.flip(-1), 11, suppress_tokens=SPECIAL, compile=True)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one graph for every step of both requests
+    np.testing.assert_array_equal(tokens.numpy(), fixture["f32/greedy_tokens"])
+    assert max_rel_error(logits, fixture["f32/greedy_step_logits"]) <= F32_REL
+    assert again.shape == tokens.shape and not torch.equal(again, tokens)

@@ -1,0 +1,401 @@
+"""Every format both ways, bit-exact: arrays, dtypes (f16/bf16 kept), config dicts, metadata."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import FIXTURE_PKL
+from convert_helpers import REPO, TINY, TINY_FFN, assert_trees_bit_identical, tiny_pickle
+
+from convert import io
+from convert.errors import CheckpointError, NeedleTwinError
+from convert.mapping import flatten_tree, flax_to_torch_numpy, random_flax_params
+
+
+def _plain_pickle(path):
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+# ----------------------------------------------------------------------------- detection
+
+
+def test_detect_format_reads_content_not_extension(tmp_path):
+    disguised = tmp_path / "weights.safetensors"
+    disguised.write_bytes(FIXTURE_PKL.read_bytes())
+    assert io.detect_format(disguised) == io.PICKLE
+    st = tmp_path / "model.bin"
+    io.write_source(io.open_source(FIXTURE_PKL), io.read_checkpoint(FIXTURE_PKL).config, tmp_path / "a.safetensors")
+    st.write_bytes((tmp_path / "a.safetensors").read_bytes())
+    assert io.detect_format(st) == io.SAFETENSORS
+
+
+@pytest.mark.parametrize("dst, to, fmt", [
+    ("m.safetensors", None, io.SAFETENSORS), ("m.pkl", None, io.PICKLE), ("m.msgpack", None, io.MSGPACK),
+    ("outdir", None, io.HF_DIR), ("outdir", "torch", io.HF_DIR), ("outdir", "flax", io.ORBAX),
+])
+def test_output_format_from_destination(tmp_path, dst, to, fmt):
+    assert io.infer_write_format(tmp_path / dst, to) == fmt
+
+
+def test_contradicting_to_is_an_error(tmp_path):
+    with pytest.raises(NeedleTwinError, match="contradicts"):
+        io.infer_write_format(tmp_path / "m.safetensors", "flax")
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+def test_upstream_pickle_safetensors_pickle_is_bit_exact(tmp_path):
+    original = _plain_pickle(FIXTURE_PKL)
+    src = io.open_source(FIXTURE_PKL)
+    io.write_source(src, io.resolve_config(src), tmp_path / "m.safetensors")
+    back = io.open_source(tmp_path / "m.safetensors")
+    io.write_source(back, io.resolve_config(back), tmp_path / "back.pkl")
+    again = _plain_pickle(tmp_path / "back.pkl")  # plain pickle.load, as upstream code reads it
+    assert_trees_bit_identical(again["params"], original["params"])
+    assert again["config"] == original["config"]
+    assert list(again["config"]) == list(original["config"])  # even the key order
+    assert type(again["params"]["embedding"]["embedding"]) is np.ndarray
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("via", ["m.safetensors", "hfdir", "m.msgpack", "m.pkl"])
+def test_round_trip_through_each_format_keeps_dtype(tmp_path, dtype, via):
+    config = TINY_FFN
+    params = random_flax_params(config, seed=1, dtype=dtype)
+    io.write_checkpoint(params, config, tmp_path / via)
+    ckpt = io.read_checkpoint(tmp_path / via)
+    assert ckpt.config == config
+    assert_trees_bit_identical(ckpt.params, params)
+    assert ckpt.params["embedding"]["embedding"].dtype == np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16"
+                                                                   else dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_orbax_round_trip(tmp_path, dtype):
+    params = random_flax_params(TINY, seed=2, dtype=dtype)
+    io.write_checkpoint(params, TINY, tmp_path / "orbax", format=io.ORBAX)
+    assert io.detect_format(tmp_path / "orbax") == io.ORBAX
+    ckpt = io.read_checkpoint(tmp_path / "orbax")
+    assert ckpt.config == TINY
+    assert_trees_bit_identical(ckpt.params, params)
+    # and on to safetensors and back to a pickle, still bit-exact
+    src = io.open_source(tmp_path / "orbax")
+    io.write_source(src, TINY, tmp_path / "o.safetensors")
+    io.write_source(io.open_source(tmp_path / "o.safetensors"), TINY, tmp_path / "o.pkl")
+    assert_trees_bit_identical(_plain_pickle(tmp_path / "o.pkl")["params"], params)
+
+
+def test_orbax_saved_sharded_over_two_devices_restores_to_numpy(tmp_path):
+    """Saved from a 2-device mesh in another process; restored here (1 device) as host numpy."""
+    params = random_flax_params(TINY, seed=3, dtype="bfloat16")
+    np.savez(tmp_path / "p.npz", **{k.replace("/", "|"): v.view(np.uint16) for k, v in flatten_tree(params).items()})
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        import jax, jax.numpy as jnp, numpy as np, ml_dtypes
+        import orbax.checkpoint as ocp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from convert.mapping import unflatten_tree
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        flat = {{}}
+        with np.load({str(tmp_path / "p.npz")!r}) as z:
+            for k in z.files:
+                a = z[k].view(ml_dtypes.bfloat16)
+                spec = P("x") if a.ndim and a.shape[0] % 2 == 0 else P()  # shard the layer/vocab axis
+                flat[k.replace("|", "/")] = jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+        assert len(jax.devices()) == 2
+        ck = ocp.StandardCheckpointer()
+        ck.save({str(tmp_path / "sharded")!r}, {{"params": unflatten_tree(flat)}})
+        ck.wait_until_finished()
+        ck.close()
+    """)
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ckpt = io.read_checkpoint(tmp_path / "sharded", TINY)
+    assert_trees_bit_identical(ckpt.params, params)
+
+
+def test_msgpack_is_compatible_with_flax_serialization(tmp_path):
+    from flax import serialization
+
+    params = random_flax_params(TINY, seed=4, dtype="bfloat16")
+    io.write_checkpoint(params, TINY, tmp_path / "ours.msgpack")
+    restored = serialization.msgpack_restore((tmp_path / "ours.msgpack").read_bytes())
+    assert_trees_bit_identical({k: np.asarray(v) for k, v in flatten_tree(restored["params"]).items()},
+                               flatten_tree(params))
+    assert restored["config"] == TINY.to_dict(only_non_default=True)
+    # A bare params tree written by flax itself, config beside it.
+    (tmp_path / "flax.msgpack").write_bytes(serialization.to_bytes(params))
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_dict()))
+    assert_trees_bit_identical(io.read_checkpoint(tmp_path / "flax.msgpack").params, params)
+
+
+def test_safetensors_is_compatible_with_the_safetensors_library(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from convert.mapping import flax_to_torch
+
+    params = random_flax_params(TINY, seed=5, dtype="bfloat16")
+    io.write_checkpoint(params, TINY, tmp_path / "ours.safetensors")
+    theirs = load_file(tmp_path / "ours.safetensors")
+    expected = flax_to_torch(params, TINY)
+    assert sorted(theirs) == sorted(expected)
+    assert all(theirs[k].dtype == torch.bfloat16 and torch.equal(theirs[k], expected[k]) for k in expected)
+    save_file(expected, tmp_path / "lib.safetensors", metadata={"config": json.dumps(TINY.to_dict())})
+    assert_trees_bit_identical(io.read_checkpoint(tmp_path / "lib.safetensors").params, params)
+
+
+def test_torch_pt_files_are_read(tmp_path):
+    import torch
+
+    from convert.mapping import flax_to_torch
+
+    params = random_flax_params(TINY, seed=6, dtype="float16")
+    state = flax_to_torch(params, TINY)
+    torch.save({"state_dict": state, "config": TINY.to_dict()}, tmp_path / "nested.pt")
+    assert_trees_bit_identical(io.read_checkpoint(tmp_path / "nested.pt").params, params)
+    torch.save(state, tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
+    assert io.detect_format(tmp_path / "legacy.bin") == io.TORCH_PT
+    assert_trees_bit_identical(io.read_checkpoint(tmp_path / "legacy.bin", TINY).params, params)
+
+
+def test_sharded_hf_directory(tmp_path):
+    from safetensors.torch import load_file
+
+    params = random_flax_params(TINY, seed=7, dtype="float32")
+    io.write_checkpoint(params, TINY, tmp_path / "hf", max_shard_size="40KB")
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    shards = [f for f in files if f.startswith("model-")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in files and "config.json" in files
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    torch_names = set(flax_to_torch_numpy(params, TINY))
+    assert set(index["weight_map"]) == torch_names
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in flatten_tree(params).values())
+    for shard in shards:  # each shard is a valid file on its own and holds exactly what the index says
+        held = set(load_file(tmp_path / "hf" / shard))
+        assert held == {k for k, v in index["weight_map"].items() if v == shard}
+        assert (tmp_path / "hf" / shard).stat().st_size <= 40_000 + 4096  # limit + header (a few KiB here)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == TINY.to_dict()
+    assert_trees_bit_identical(io.read_checkpoint(tmp_path / "hf").params, params)
+
+
+# ----------------------------------------------------------------------------- metadata, casts
+
+
+def test_safetensors_metadata(tmp_path):
+    from safetensors import safe_open
+
+    src = io.open_source(FIXTURE_PKL)
+    io.write_source(src, io.resolve_config(src), tmp_path / "m.safetensors", dtype="bfloat16")
+    with safe_open(tmp_path / "m.safetensors", "np") as f:
+        meta = f.metadata()
+    assert meta["source_sha256"] == hashlib.sha256(FIXTURE_PKL.read_bytes()).hexdigest()
+    assert meta["format"] == "needle-twin" and meta["format_version"] == io.FORMAT_VERSION
+    assert meta["tool_version"] == io.tool_version() and meta["tool_version"] != "0+unknown"
+    assert meta["dtype_cast"] == "bfloat16"
+    assert json.loads(meta["config"]) == io.resolve_config(src).to_dict()
+    assert json.loads(meta["upstream_config"]) == _plain_pickle(FIXTURE_PKL)["config"]
+
+
+def test_sha256_of_a_safetensors_source(tmp_path):
+    from safetensors import safe_open
+
+    io.write_checkpoint(random_flax_params(TINY, dtype="float16"), TINY, tmp_path / "a.safetensors")
+    io.write_source(io.open_source(tmp_path / "a.safetensors"), TINY, tmp_path / "b.safetensors", dtype="float32")
+    with safe_open(tmp_path / "b.safetensors", "np") as f:
+        assert f.metadata()["source_sha256"] == hashlib.sha256((tmp_path / "a.safetensors").read_bytes()).hexdigest()
+
+
+def test_dtype_cast_widens_exactly(tmp_path):
+    src = io.open_source(FIXTURE_PKL)
+    io.write_source(src, io.resolve_config(src), tmp_path / "f32.safetensors", dtype="float32")
+    wide = flatten_tree(io.read_checkpoint(tmp_path / "f32.safetensors").params)
+    narrow = flatten_tree(_plain_pickle(FIXTURE_PKL)["params"])
+    for k, v in narrow.items():
+        assert wide[k].dtype == np.float32
+        assert np.array_equal(wide[k], v.astype(np.float32))  # float16 -> float32 is exact
+
+
+def test_mixed_dtypes_need_an_explicit_cast(tmp_path):
+    params = random_flax_params(TINY, dtype="float16")
+    params["log_temp"] = params["log_temp"].astype(np.float32)
+    with pytest.raises(CheckpointError, match="mixed dtypes: log_temp is float32"):
+        io.write_checkpoint(params, TINY, tmp_path / "m.safetensors")
+    io.write_checkpoint(params, TINY, tmp_path / "m.safetensors", dtype="float16")
+    assert io.read_checkpoint(tmp_path / "m.safetensors").params["log_temp"].dtype == np.float16
+
+
+def test_pickle_writer_output_names_only_allowlisted_globals(tmp_path):
+    import pickletools
+
+    params = random_flax_params(TINY, dtype="bfloat16")
+    io.write_checkpoint(params, TINY, tmp_path / "m.pkl")
+    strings = [arg for op, arg, _ in pickletools.genops((tmp_path / "m.pkl").read_bytes())
+               if op.name == "SHORT_BINUNICODE"]
+    assert {"numpy._core.multiarray", "_reconstruct", "ndarray", "dtype", "ml_dtypes", "bfloat16"} <= set(strings)
+    assert_trees_bit_identical(_plain_pickle(tmp_path / "m.pkl")["params"], params)
+
+
+def test_read_checkpoint_refuses_a_config_that_contradicts_the_file():
+    with pytest.raises(NeedleTwinError, match="d_model: stored 64, given 32"):
+        io.read_checkpoint(FIXTURE_PKL, io.read_checkpoint(FIXTURE_PKL).config.replace(d_model=32, num_heads=4))
+
+
+def test_existing_output_needs_force(tmp_path):
+    dst = tmp_path / "m.pkl"
+    dst.write_bytes(b"keep me")
+    params = random_flax_params(TINY, dtype="float16")
+    with pytest.raises(NeedleTwinError, match="already exists; pass --force"):
+        io.write_checkpoint(params, TINY, dst)
+    assert dst.read_bytes() == b"keep me"
+    io.write_checkpoint(params, TINY, dst, force=True)
+    assert_trees_bit_identical(_plain_pickle(dst)["params"], params)
+    assert sorted(os.listdir(tmp_path)) == ["m.pkl"]
+
+
+def test_tiny_pickle_helper_matches_upstream_layout(tmp_path):
+    path = tiny_pickle(tmp_path / "t.pkl")
+    assert set(_plain_pickle(path)) == {"params", "config"}
+    assert io.read_checkpoint(path).config == TINY
+
+
+def test_checkpoint_metadata_can_be_passed_back_to_write_checkpoint(tmp_path):
+    """read -> write with the old metadata: the upstream config survives, stale owned keys are recomputed."""
+    ckpt = io.read_checkpoint(FIXTURE_PKL)
+    io.write_checkpoint(ckpt.params, ckpt.config, tmp_path / "m.pkl",
+                        metadata={**ckpt.metadata, "config": "{stale}", "source_sha256": "f" * 64})
+    assert _plain_pickle(tmp_path / "m.pkl")["config"] == _plain_pickle(FIXTURE_PKL)["config"]
+    io.write_checkpoint(ckpt.params, ckpt.config, tmp_path / "m.safetensors", metadata={"config": "{stale}",
+                                                                                       "run": "exp-7"})
+    meta = io.open_source(tmp_path / "m.safetensors").metadata
+    assert json.loads(meta["config"]) == ckpt.config.to_dict() and meta["run"] == "exp-7"
+    assert "source_sha256" not in meta  # an in-memory tree has no source file to hash
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", [io.PICKLE, io.MSGPACK, io.ORBAX])
+def test_flax_format_to_safetensors_and_back(tmp_path, fmt, dtype):
+    """X -> safetensors -> X for every Flax format: same arrays (bytes, dtype) and the same config dict."""
+    names = {io.PICKLE: "a.pkl", io.MSGPACK: "a.msgpack", io.ORBAX: "a_orbax"}
+    params = random_flax_params(TINY_FFN, seed=9, dtype=dtype)
+    first, back = tmp_path / names[fmt], tmp_path / ("back_" + names[fmt])
+    io.write_checkpoint(params, TINY_FFN, first, format=fmt)
+    src = io.open_source(first)
+    io.write_source(src, io.resolve_config(src), tmp_path / "mid.safetensors")
+    mid = io.open_source(tmp_path / "mid.safetensors")
+    io.write_source(mid, io.resolve_config(mid), back, format=fmt)
+    if fmt == io.PICKLE:
+        a, b = _plain_pickle(first), _plain_pickle(back)
+        assert a["config"] == b["config"] == TINY_FFN.to_dict(only_non_default=True)
+        assert_trees_bit_identical(b["params"], params)
+    elif fmt == io.MSGPACK:
+        from flax import serialization
+
+        b = serialization.msgpack_restore(back.read_bytes())
+        assert b["config"] == TINY_FFN.to_dict(only_non_default=True)
+        assert_trees_bit_identical({k: np.asarray(v) for k, v in flatten_tree(b["params"]).items()},
+                                   flatten_tree(params))
+    else:
+        assert json.loads((back / "config.json").read_text()) == TINY_FFN.to_dict()
+        assert_trees_bit_identical(io.read_checkpoint(back).params, params)
+
+
+def test_orbax_manager_folder_points_at_a_step(tmp_path):
+    for step in ("20", "100"):
+        (tmp_path / "run" / step).mkdir(parents=True)
+        (tmp_path / "run" / step / "_CHECKPOINT_METADATA").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"steps 20, 100; point at one step, e.g. .*run/100"):
+        io.detect_format(tmp_path / "run")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_finite_check_bit_test(dtype):
+    from convert import tensors
+
+    np_dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    big = max(ml_dtypes.finfo(np_dt).max, 0)
+    ok = np.array([0.0, -0.0, 1.0, -1.0, big, -big, ml_dtypes.finfo(np_dt).smallest_subnormal], dtype=np_dt)
+    assert tensors.is_finite(ok) and tensors.is_finite(np.zeros((0, 4), np_dt))
+    for bad in (np.nan, -np.nan, np.inf, -np.inf):
+        # past the first block, so the blockwise loop is exercised too
+        arr = np.zeros(tensors._FINITE_BLOCK + 7, np_dt)
+        arr[-1] = bad
+        assert not tensors.is_finite(arr), bad
+        assert not tensors.is_finite(np.asarray(bad, dtype=np_dt))
+
+
+@pytest.mark.parametrize("pipeline, fallocate", [(True, True), (False, False)])
+def test_sink_lays_out_segments_and_fills_tensors_in_place(tmp_path, monkeypatch, pipeline, fallocate):
+    import errno
+
+    from convert import sink
+    from convert.plan import Piece, Planned
+    from convert.tensors import TensorRef
+
+    if not fallocate:  # e.g. a network filesystem: the file just grows as it is written
+
+        def unsupported(fd, offset, length):
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+
+        monkeypatch.setattr(sink.os, "posix_fallocate", unsupported)
+    rng = np.random.default_rng(0)
+    kernel = rng.standard_normal((3, 40, 24)).astype(np.float16)  # stacked (L, in, out), 40 rows: banded path
+    layers = [np.ascontiguousarray(kernel[i].T) for i in range(3)]  # torch layout (out, in) per layer
+    gate = np.asarray(0.5, np.float32)
+    pieces = tuple(Piece(TensorRef.of(a)) for a in layers)
+    segments = [b"head", Planned("k", kernel.shape, kernel.dtype, pieces, stacked=True, transpose=True),
+                b"mid", Planned.of("gate", gate), Planned.of("empty", np.zeros((0, 5), np.float32)), b"tail"]
+    seen, done = [], []
+    sink.write_file(tmp_path / "out.bin", segments, check=lambda name, a: seen.append(name), on_bytes=done.append,
+                    pipeline=pipeline)
+    expected = b"head" + kernel.tobytes() + b"mid" + gate.tobytes() + b"tail"
+    assert (tmp_path / "out.bin").read_bytes() == expected
+    assert sorted(seen) == ["empty", "gate", "k", "k", "k"]  # every part is checked: one per layer of k
+    assert sum(done) == kernel.nbytes + gate.nbytes
+
+
+def test_sink_stops_on_the_first_failing_tensor(tmp_path):
+    from convert import sink
+    from convert.plan import Piece, Planned
+    from convert.tensors import TensorRef
+
+    def broken():
+        raise CheckpointError("disk went away")
+
+    segments = [Planned.of(f"ok{i}", np.ones(1000, np.float32)) for i in range(5)]
+    segments.append(Planned("bad", (10,), np.dtype(np.float32), (Piece(TensorRef((10,), np.dtype(np.float32),
+                                                                                broken)),)))
+    with pytest.raises(CheckpointError, match="disk went away"):
+        sink.write_file(tmp_path / "out.bin", segments)
+
+
+def test_msgpack_chunked_arrays_both_ways(tmp_path, monkeypatch):
+    """flax splits leaves over 2**30 bytes into chunks; shrink the limit so tiny arrays take that path."""
+    from flax import serialization
+
+    from convert.formats import msgpack_format
+
+    params = random_flax_params(TINY, seed=8, dtype="bfloat16")
+    monkeypatch.setattr(serialization, "MAX_CHUNK_SIZE", 1000)
+    (tmp_path / "flax.msgpack").write_bytes(serialization.msgpack_serialize({"params": params,
+                                                                             "config": TINY.to_dict()}))
+    assert b"__msgpack_chunked_array__" in (tmp_path / "flax.msgpack").read_bytes()
+    assert_trees_bit_identical(io.read_checkpoint(tmp_path / "flax.msgpack").params, params)
+    monkeypatch.setattr(msgpack_format, "MAX_CHUNK_SIZE", 1000)
+    io.write_checkpoint(params, TINY, tmp_path / "ours.msgpack")
+    assert b"__msgpack_chunked_array__" in (tmp_path / "ours.msgpack").read_bytes()
+    restored = serialization.msgpack_restore((tmp_path / "ours.msgpack").read_bytes())
+    assert_trees_bit_identical({k: np.asarray(v) for k, v in flatten_tree(restored["params"]).items()},
+                               flatten_tree(params))
