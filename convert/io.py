@@ -263,8 +263,9 @@ def write_source(source: Source, config: TransformerConfig, dst: str | Path, *, 
     cast = weight_dtype(dtype) if dtype is not None else None
     atomic.check_target(dst, force=force, directory=directory)  # fail before reading anything big
     plan.validate(source, config, cast)
-    meta = _output_metadata(source, config, dtype, metadata)
-    sha = _SourceHash(source)
+    meta = _output_metadata(source, config, dtype, metadata, with_hash=fmt in (SAFETENSORS, HF_DIR))
+    # Only safetensors has room for the source hash: don't spend a pass over the source on the others.
+    sha = _SourceHash(source if "source_sha256" in meta else None)
     with atomic.atomic_output(dst, force=force, directory=directory) as tmp:
         try:
             bad = _write(fmt, source, config, cast, tmp, meta, max_shard_size, check_finite, on_bytes, sha)
@@ -277,7 +278,7 @@ def write_source(source: Source, config: TransformerConfig, dst: str | Path, *, 
 
 
 def _output_metadata(source: Source, config: TransformerConfig, dtype: str | None,
-                     extra: Mapping[str, str] | None) -> dict[str, str]:
+                     extra: Mapping[str, str] | None, with_hash: bool = True) -> dict[str, str]:
     meta = {"format": "needle-twin", "format_version": FORMAT_VERSION, "tool_version": tool_version(),
             "config": json.dumps(config.to_dict(), sort_keys=True), "source_format": source.format}
     upstream = source.metadata.get("upstream_config")
@@ -287,7 +288,7 @@ def _output_metadata(source: Source, config: TransformerConfig, dtype: str | Non
         meta["upstream_config"] = upstream
     if dtype is not None:
         meta["dtype_cast"] = dtype
-    if source.sha256 is not None:
+    if with_hash and source.sha256 is not None:
         meta["source_sha256"] = SHA_PLACEHOLDER
     for key, value in (extra or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
@@ -300,8 +301,8 @@ def _output_metadata(source: Source, config: TransformerConfig, dtype: str | Non
 class _SourceHash:
     """The source's SHA-256, computed in a background thread while the conversion runs (hashlib drops the GIL)."""
 
-    def __init__(self, source: Source) -> None:
-        self._fn, self._result, self._error = source.sha256, None, None
+    def __init__(self, source: Source | None) -> None:
+        self._fn, self._result, self._error = (source.sha256 if source is not None else None), None, None
         self._thread = None
         if self._fn is not None:
             self._thread = threading.Thread(target=self._run, name="needle-twin-sha256", daemon=True)
@@ -363,7 +364,6 @@ def _write(fmt: str, source: Source, config: TransformerConfig, cast: np.dtype |
         from convert.formats import orbax_format
 
         orbax_format.write(tmp, view, config, on_bytes, check)
-    sha.get()  # surface hashing errors even where the format has no room for the hash
     return bad
 
 

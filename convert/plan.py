@@ -2,9 +2,9 @@
 
 Every layout change goes through convert.mapping's rule table: a view only renames,
 transposes and (un)stacks, so data passes through bit-exact unless a dtype cast is asked for.
-Views describe each output tensor by the source arrays it is made of; a writer fills the
-output tensor by tensor (usually straight into its region of a mapped output file), so the
-whole checkpoint never needs to be in memory when the source is read lazily.
+Views describe each output tensor by the source pieces it is made of (a layer of a stacked
+array is read on its own); writers produce the output part by part (convert.sink), so the
+whole checkpoint is never in memory when the source is read lazily.
 """
 
 from __future__ import annotations
@@ -45,12 +45,14 @@ class Piece:
         return self.ref.shape if self.index is None else self.ref.shape[1:]
 
     def load(self) -> np.ndarray:
+        """The piece as an array of its own (from a file, only this layer's bytes are read)."""
+        if self.ref.span is not None:
+            return self.read(lambda nbytes: np.empty(nbytes, np.uint8))
         array = self.ref.load()
         return array if self.index is None else array[self.index, ...]  # [i, ...] keeps a 0-d gate an array
 
     def read(self, scratch: Callable[[int], np.ndarray]) -> np.ndarray:
-        """The piece, read straight into the scratch buffer when its bytes lie in a file (only this layer's
-        slice is read), else the in-memory array itself."""
+        """The piece, read into scratch(nbytes) when its bytes lie in a file, else the in-memory array."""
         if self.ref.span is None:
             return self.load()
         path, offset = self.ref.span

@@ -101,14 +101,11 @@ class _Lane:
         return self.buffers[slot][:nbytes]
 
 
-_DONE = object()
-
-
 def _fill_regions(fd: int, regions: list[tuple[Planned, int]], on_bytes: Callable[[int], None] | None,
                   check: Callable[[str, np.ndarray], None] | None, pipeline: bool) -> None:
     """Produce the parts (read, transpose, cast, check) and write them; with `pipeline`, production runs on a
-    second thread one part ahead of the writes. Writes stay on one thread: concurrent pwrites to one file
-    contend on its lock and were measured 2-8x slower in total."""
+    second thread ahead of the writes. Writes stay on one thread: concurrent pwrites to one file contend on
+    its lock and were measured 2-8x slower in total."""
     if not pipeline:
         lane = _Lane()
         for planned, offset in regions:
@@ -119,42 +116,43 @@ def _fill_regions(fd: int, regions: list[tuple[Planned, int]], on_bytes: Callabl
             if on_bytes is not None:
                 on_bytes(planned.nbytes)
         return
-    free: queue.Queue = queue.Queue()
+    free: queue.Queue = queue.Queue()  # lanes nobody is using
     for _ in range(_LANES):
         free.put(_Lane())
-    ready: queue.Queue = queue.Queue()
+    ready: queue.Queue = queue.Queue()  # ("part", offset, array, lane) | ("done", nbytes) | ("end",) | ("error", e)
     stop = threading.Event()
 
     def produce() -> None:
         try:
             for planned, offset in regions:
-                lane = [free.get()]
-                for at, part in planned.parts(lambda slot, n, lane=lane: lane[0](slot, n)):
+                current = [free.get()]
+                for at, part in planned.parts(lambda slot, n, current=current: current[0](slot, n)):
                     if stop.is_set():
                         return
                     if check is not None:
                         check(planned.name, part)
-                    ready.put((offset + at, part, lane[0]))
-                    lane[0] = free.get()  # the next part must not overwrite one still waiting to be written
-                free.put(lane[0])
-                ready.put((planned.nbytes, None, None))
-            ready.put((0, _DONE, None))
+                    ready.put(("part", offset + at, part, current[0]))
+                    current[0] = free.get()  # the next part must not overwrite one still waiting to be written
+                free.put(current[0])
+                ready.put(("done", planned.nbytes))
+            ready.put(("end",))
         except BaseException as e:  # handed to the writer, which re-raises it
-            ready.put((0, e, None))
+            ready.put(("error", e))
 
     producer = threading.Thread(target=produce, name="needle-twin-produce", daemon=True)
     producer.start()
     try:
         while True:
-            at, part, lane = ready.get()
-            if part is _DONE:
+            message = ready.get()
+            if message[0] == "end":
                 break
-            if isinstance(part, BaseException):
-                raise part
-            if part is None:
+            if message[0] == "error":
+                raise message[1]
+            if message[0] == "done":
                 if on_bytes is not None:
-                    on_bytes(at)  # `at` carries the finished tensor's size
+                    on_bytes(message[1])
                 continue
+            _, at, part, lane = message
             _pwrite_all(fd, part.reshape(-1).view(np.uint8), at)
             free.put(lane)
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 from convert.tensors import TensorRef
 
 FLAX, TORCH = "flax", "torch"  # layouts: upstream nested-tree paths ("a/b/c") or torch state_dict names
-_HASH_WINDOW = 16 * 2**20  # a multiple of mmap.ALLOCATIONGRANULARITY
+_HASH_BLOCK = 4 * 2**20
 
 
 @dataclass
@@ -41,12 +40,10 @@ def file_sha256(path: Path) -> str:
             outer.update(f"{p.relative_to(path).as_posix()}\0{file_sha256(p)}\n".encode())
         return outer.hexdigest()
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        # Hash straight from the page cache through a sliding mapping: no copy into our memory, and only
-        # one window is mapped at a time, so the file never counts towards our resident memory.
-        for start in range(0, size, _HASH_WINDOW):
-            with mmap.mmap(f.fileno(), min(_HASH_WINDOW, size - start), offset=start,
-                           access=mmap.ACCESS_READ) as window:
-                digest.update(window)
+    # One small buffer, reused: no mapping (a page fault per page) and no fresh memory per block.
+    buf = bytearray(_HASH_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
     return digest.hexdigest()

@@ -40,7 +40,10 @@ class TensorRef:
 
     @classmethod
     def of(cls, array: np.ndarray) -> TensorRef:
+        """An in-memory array (converted to native byte order: files store little-endian bytes as they are)."""
         array = np.asarray(array)
+        if not array.dtype.isnative:
+            array = array.astype(array.dtype.newbyteorder("="))
         return cls(tuple(array.shape), array.dtype, lambda: array)
 
     @classmethod
@@ -129,10 +132,3 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
-
-
-def cast(array: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
-    """array in `dtype` (None = unchanged); round-to-nearest-even, as numpy/ml_dtypes cast."""
-    if dtype is None or array.dtype == dtype:
-        return array
-    return array.astype(dtype)

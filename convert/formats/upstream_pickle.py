@@ -10,7 +10,6 @@ ndarray state, no memo and no frames), loadable by plain `pickle.load`.
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,6 @@ def read(path: Path) -> Source:
     size = path.stat().st_size
     if size == 0:
         raise CheckpointError(f"{path}: empty file (0 bytes); re-copy the checkpoint")
-    # Hash on a second core while the main thread unpickles (hashlib and file reads release the GIL).
-    digest = _Background(lambda: file_sha256(path))
     obj = safe_pickle.load_file(path, lazy=True)  # large arrays stay in the file until a writer reads them
     if not isinstance(obj, dict) or "params" not in obj:
         keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
@@ -51,30 +48,7 @@ def read(path: Path) -> Source:
         raise CheckpointError(f"{path}: 'params' is a {type(params).__name__}, expected a nested dict of arrays")
     tensors = {name: _leaf_ref(name, leaf, path) for name, leaf in flatten_tree(params).items()}
     return Source(path, FORMAT, FLAX, tensors, plain_config(config, path) if config is not None else None,
-                  f"{path} ('config')", {}, digest.result)
-
-
-class _Background:
-    """Run fn on a daemon thread; result() waits for it and re-raises its error."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._value = fn()
-            except BaseException as e:
-                self._error = e
-
-        self._thread = threading.Thread(target=run, name="needle-twin-sha256", daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
+                  f"{path} ('config')", {}, lambda: file_sha256(path))
 
 
 def _leaf_ref(name: str, leaf: Any, path: Path) -> TensorRef:
