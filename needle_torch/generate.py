@@ -90,7 +90,8 @@ def generate(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None
     suppression). Runs in the model's dtype and on its device.
     compile: run the decoder step under torch.compile with fixed shapes (attends over the whole cache under
     a mask). Compiles once per (batch, source length, max_new_tokens, dtype); on 2 CPU cores that took
-    15-60 s and then saved 10-35% per step (benchmarks/bench_generate.py). float32 logits stay within 1e-6
+    up to 60 s (seconds when inductor's disk cache hits) and then saved 13-36% per step at the published
+    size (benchmarks/bench_generate.py). float32 logits stay within 1e-6
     of eager; in bfloat16 inductor keeps some intermediates in float32, as XLA's jit does, so logits move
     by up to ~1e-2 relative (7e-3 on the fixtures, same tokens).
     """
