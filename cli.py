@@ -265,7 +265,6 @@ def parity_command(
     Exit code 0 when parity holds, 1 when it fails, 2 on bad input.
     """
     from parity_tests import commands
-    from parity_tests.report import render_terminal, verdict_line
 
     if precision not in ("highest", "default"):
         raise NeedleTwinError(f"--precision {precision!r} is not one of highest, default")
@@ -275,6 +274,13 @@ def parity_command(
         html_path=html_path, force=force, torch_device=torch_device, jax_platform=jax_platform,
         pin_precision=precision == "highest", grads=grads, generate=generate, suppress_special=suppress_special,
         overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
+    _show_report(report, quiet)
+
+
+def _show_report(report, quiet: bool) -> None:
+    """Terminal table (or just the verdict line), then exit 0 / 1 by the verdict."""
+    from parity_tests.report import render_terminal, verdict_line
+
     console = _report_console()
     if quiet:
         console.print(verdict_line(report))
@@ -302,16 +308,11 @@ def rescore_command(
     Without options it re-applies the report's own profile. Exit code 0 / 1 / 2 as for `parity`.
     """
     from parity_tests import commands
-    from parity_tests.report import render_terminal, verdict_line
 
     report = commands.rescore(report_path, json_path=json_path, html_path=html_path, force=force,
                               overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
-    console = _report_console()
-    if quiet:
-        console.print(verdict_line(report))
-    else:
-        render_terminal(report, console)
-    raise typer.Exit(report.exit_code)
+    _show_report(report, quiet)
+
 
 # --- generate command (issue 5) ---
 

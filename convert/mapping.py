@@ -154,11 +154,16 @@ def unflatten_tree(flat: Mapping[str, Any]) -> dict[str, Any]:
 def check_entries(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], what: str,
                   hint: str = "") -> None:
     """One error listing every missing, unexpected and mis-shaped entry."""
+    parts = entry_problems(found, expected)
+    if parts:
+        raise CheckpointError(f"{what} does not match the config: " + "; ".join(parts) + (f". {hint}" if hint else ""))
+
+
+def entry_problems(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The missing, unexpected and mis-shaped entries, one phrase per kind (empty when all match)."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     misshaped = sorted(k for k in set(found) & set(expected) if tuple(found[k]) != tuple(expected[k]))
-    if not (missing or unexpected or misshaped):
-        return
     parts = []
     if missing:
         parts.append(f"missing {len(missing)}: {', '.join(missing)}")
@@ -167,7 +172,7 @@ def check_entries(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, t
     if misshaped:
         parts.append("wrong shape: " + ", ".join(
             f"{k} is {tuple(found[k])}, expected {tuple(expected[k])}" for k in misshaped))
-    raise CheckpointError(f"{what} does not match the config: " + "; ".join(parts) + (f". {hint}" if hint else ""))
+    return parts
 
 
 def _as_numpy(x: Any) -> np.ndarray:

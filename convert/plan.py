@@ -19,6 +19,7 @@ import numpy as np
 from convert.config import TransformerConfig
 from convert.errors import CheckpointError
 from convert.mapping import (
+    entry_problems,
     expected_flax_shapes,
     expected_torch_shapes,
     flax_shape,
@@ -130,17 +131,7 @@ def validate(source: Source, config: TransformerConfig, cast: np.dtype | None = 
     """One CheckpointError listing every missing, unexpected, mis-shaped and wrong-dtype tensor."""
     found = {name: ref.shape for name, ref in source.tensors.items()}
     expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
-    problems = _layer_count_problems(source, config)
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    misshaped = sorted(k for k in set(found) & set(expected) if tuple(found[k]) != tuple(expected[k]))
-    if missing:
-        problems.append(f"missing {len(missing)}: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {len(unexpected)}: {', '.join(unexpected)}")
-    if misshaped:
-        problems.append("wrong shape: " + ", ".join(
-            f"{k} is {_fmt(found[k])}, expected {_fmt(expected[k])}" for k in misshaped))
+    problems = _layer_count_problems(source, config) + entry_problems(found, expected)
     problems += _dtype_problems(source, cast)
     if problems:
         hint = _config_hint(source, config)

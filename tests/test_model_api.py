@@ -61,7 +61,7 @@ def test_forward_contrastive_in_both_twins(setup):
         tq, tt, tlog = torch_model(params, CFG).forward_contrastive(torch.from_numpy(src).long(),
                                                                     torch.from_numpy(tgt).long())
     assert rel_err(tq.numpy(), np.asarray(q_emb)) <= F32_REL and rel_err(tt.numpy(), np.asarray(t_emb)) <= F32_REL
-    assert float(tlog) == float(log_temp)
+    assert float(tlog.detach()) == float(log_temp)
 
 
 def test_dropout_only_in_training(setup):
@@ -112,7 +112,7 @@ def test_rope_keys_only_attention_matches_between_twins():
     torch_attn = nt.MultiHeadAttention(CFG, rope_keys_only=True)
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            getattr(torch_attn, name).weight.copy_(torch.from_numpy(np.asarray(params[name]["kernel"]).T))
+            getattr(torch_attn, name).weight.copy_(torch.from_numpy(np.array(params[name]["kernel"]).T))
         for name in ("q_norm", "k_norm"):
             getattr(torch_attn, name).scale.copy_(torch.from_numpy(np.asarray(params[name]["scale"])))
         got = torch_attn(torch.from_numpy(x), torch.from_numpy(x), nt.make_causal_mask(5),
