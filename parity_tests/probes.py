@@ -33,27 +33,22 @@ class Probe:
     pass_: str = "text"  # "text" (encode + decode) or "contrastive" (encode_contrastive)
 
 
-def _encoder_block(i: int, has_ffn: bool) -> list[Probe]:
-    p = f"encoder.layers.{i}"
-    out = [
-        Probe(f"{p}.self_attn", (*ENC_BLOCK, "self_attn_out"), f"{p}.self_attn", i),
-        Probe(f"{p}.self_attn_residual", (*ENC_BLOCK, "self_attn_residual"), f"{p}.self_attn_residual", i),
-    ]
-    if has_ffn:
-        out.append(Probe(f"{p}.ffn", (*ENC_BLOCK, "ffn_out"), f"{p}.ffn", i))
-    out.append(Probe(f"{p}.out", (*ENC_BLOCK, "out"), p, i, boundary=True))
-    return out
+# Per-block probes in execution order, with the name each twin's block sows / taps them under.
+_BLOCK_PROBES = {
+    "encoder": (ENC_BLOCK, ("self_attn", "self_attn_residual")),
+    "decoder": (DEC_BLOCK, ("self_attn", "cross_attn")),
+}
+_SOWN = {"self_attn": "self_attn_out", "cross_attn": "cross_attn_out", "ffn": "ffn_out",
+         "self_attn_residual": "self_attn_residual"}
 
 
-def _decoder_block(i: int, has_ffn: bool) -> list[Probe]:
-    p = f"decoder.layers.{i}"
-    out = [
-        Probe(f"{p}.self_attn", (*DEC_BLOCK, "self_attn_out"), f"{p}.self_attn", i),
-        Probe(f"{p}.cross_attn", (*DEC_BLOCK, "cross_attn_out"), f"{p}.cross_attn", i),
-    ]
-    if has_ffn:
-        out.append(Probe(f"{p}.ffn", (*DEC_BLOCK, "ffn_out"), f"{p}.ffn", i))
-    out.append(Probe(f"{p}.out", (*DEC_BLOCK, "out"), p, i, boundary=True))
+def _block(stack: str, i: int, has_ffn: bool) -> list[Probe]:
+    """The probes of encoder/decoder block i: its sub-layers, then the block output (a stage boundary)."""
+    p = f"{stack}.layers.{i}"
+    flax_block, names = _BLOCK_PROBES[stack]
+    names = (*names, "ffn") if has_ffn else names
+    out = [Probe(f"{p}.{n}", (*flax_block, _SOWN[n]), f"{p}.{n}", i) for n in names]
+    out.append(Probe(f"{p}.out", (*flax_block, "out"), p, i, boundary=True))
     return out
 
 
@@ -62,11 +57,11 @@ def probe_table(config: TransformerConfig) -> list[Probe]:
     ffn = not config.no_feedforward
     table = [Probe("encoder.embed", ("encoder", "embed"), "encoder.embed", boundary=True)]
     for i in range(config.num_encoder_layers):
-        table += _encoder_block(i, ffn)
+        table += _block("encoder", i, ffn)
     table.append(Probe("encoder.out", ("encoder", "out"), "encoder.final_norm", boundary=True))
     table.append(Probe("decoder.embed", ("decoder", "embed"), "decoder.embed", boundary=True))
     for i in range(config.num_decoder_layers):
-        table += _decoder_block(i, ffn)
+        table += _block("decoder", i, ffn)
     table.append(Probe("decoder.out", ("decoder", "out"), "decoder.final_norm", boundary=True))
     table.append(Probe("logits", ("logits",), "logits_tap"))
     table.append(Probe("contrastive", ("contrastive",), "contrastive_tap", pass_="contrastive"))
