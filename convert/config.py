@@ -115,10 +115,6 @@ class TransformerConfig:
     def total_layers(self) -> int:
         return self.num_encoder_layers + self.num_decoder_layers
 
-    @property
-    def kv_repeats(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
 
 def _coerce(name: str, kind: str, value: Any) -> Any:
     """Accept numpy scalars from pickles; refuse lossy or wrong-kind values."""

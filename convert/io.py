@@ -13,6 +13,7 @@ Torch, jax and orbax are imported only by the formats that need them.
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 from collections.abc import Callable, Mapping
@@ -109,35 +110,26 @@ def _sniff(head: bytes) -> str | None:
 # ----------------------------------------------------------------------------- reading
 
 
+# format -> (module under convert.formats, reader function); imported on use, so reading a pickle
+# never imports torch, flax or orbax.
+_READERS = {
+    PICKLE: ("upstream_pickle", "read"),
+    SAFETENSORS: ("safetensors_format", "read_file"),
+    HF_DIR: ("safetensors_format", "read_dir"),
+    MSGPACK: ("msgpack_format", "read"),
+    ORBAX: ("orbax_format", "read"),
+    TORCH_PT: ("torch_format", "read"),
+}
+
+
 def open_source(path: str | Path, fmt: str | None = None) -> Source:
     """Open a checkpoint for reading without converting it; lazily for safetensors."""
     path = Path(path)
     fmt = fmt or detect_format(path)
-    if fmt == PICKLE:
-        from convert.formats import upstream_pickle
-
-        return upstream_pickle.read(path)
-    if fmt == SAFETENSORS:
-        from convert.formats import safetensors_format
-
-        return safetensors_format.read_file(path)
-    if fmt == HF_DIR:
-        from convert.formats import safetensors_format
-
-        return safetensors_format.read_dir(path)
-    if fmt == MSGPACK:
-        from convert.formats import msgpack_format
-
-        return msgpack_format.read(path)
-    if fmt == ORBAX:
-        from convert.formats import orbax_format
-
-        return orbax_format.read(path)
-    if fmt == TORCH_PT:
-        from convert.formats import torch_format
-
-        return torch_format.read(path)
-    raise CheckpointError(f"unknown format {fmt!r}; use one of {', '.join(READ_FORMATS)}")
+    if fmt not in _READERS:
+        raise CheckpointError(f"unknown format {fmt!r}; use one of {', '.join(READ_FORMATS)}")
+    module, reader = _READERS[fmt]
+    return getattr(importlib.import_module(f"convert.formats.{module}"), reader)(path)
 
 
 def resolve_config(source: Source, config: TransformerConfig | Mapping[str, Any] | None = None) -> TransformerConfig:

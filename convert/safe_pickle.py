@@ -248,29 +248,29 @@ class _BoundedReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def read(self, n: int = -1) -> bytes:
+    def _bound(self, n: int | None) -> int:
         # A forged length prefix must not make us allocate more than the file holds.
-        n = self._left if n is None or n < 0 else min(n, self._left)
-        data = self._f.read(n)
+        return self._left if n is None or n < 0 else min(n, self._left)
+
+    def _consumed(self, data: Any) -> None:
         self._left -= len(data)
         if self._digest is not None:
             self._digest.update(data)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(self._bound(n))
+        self._consumed(data)
         return data
 
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")[: self._left]
         got = self._f.readinto(view)
-        self._left -= got
-        if self._digest is not None:
-            self._digest.update(view[:got])
+        self._consumed(view[:got])
         return got
 
     def readline(self, limit: int = -1) -> bytes:
-        limit = self._left if limit is None or limit < 0 else min(limit, self._left)
-        data = self._f.readline(limit)
-        self._left -= len(data)
-        if self._digest is not None:
-            self._digest.update(data)
+        data = self._f.readline(self._bound(limit))
+        self._consumed(data)
         return data
 
 

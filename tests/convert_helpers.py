@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -42,3 +43,13 @@ def assert_trees_bit_identical(a: dict, b: dict) -> None:
 def leftovers(directory: Path) -> list[str]:
     """Temporary files/dirs our atomic writer would leave behind if cleanup failed."""
     return sorted(p.name for p in directory.iterdir() if ".needle-tmp-" in p.name or ".needle-old-" in p.name)
+
+
+class RunsCommand:
+    """A pickle payload that would create `marker` if unpickled by a stock unpickler."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)

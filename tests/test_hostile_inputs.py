@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_helpers import TINY, leftovers, tiny_pickle, write_upstream_pickle
+from convert_helpers import TINY, RunsCommand, leftovers, tiny_pickle, write_upstream_pickle
 from typer.testing import CliRunner
 
 import cli
@@ -55,18 +54,10 @@ def _raw_safetensors(path: Path, header: bytes, data: bytes = b"") -> Path:
 # ----------------------------------------------------------------------------- code execution
 
 
-class _Payload:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"echo pwned > {self.marker}",)
-
-
 def test_malicious_pickle_does_not_run(tmp_path):
     marker = tmp_path / "marker"
     params = random_flax_params(TINY, dtype="float16")
-    params["log_temp"] = _Payload(marker)
+    params["log_temp"] = RunsCommand(marker)
     src = write_upstream_pickle(tmp_path / "evil.pkl", params, TINY.to_dict(only_non_default=True))
     assert_refused(tmp_path, src, r"forbidden global (posix|nt|os)\.system")
     assert not marker.exists()
@@ -75,7 +66,7 @@ def test_malicious_pickle_does_not_run(tmp_path):
 def test_malicious_pickle_disguised_as_safetensors(tmp_path):
     marker = tmp_path / "marker"
     src = tmp_path / "innocent.safetensors"
-    src.write_bytes(pickle.dumps({"params": {"x": _Payload(marker)}, "config": {}}))
+    src.write_bytes(pickle.dumps({"params": {"x": RunsCommand(marker)}, "config": {}}))
     assert_refused(tmp_path, src, r"forbidden global", "out.pkl")
     assert not marker.exists()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import struct
 import subprocess
@@ -14,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import FIXTURE_PKL
+from convert_helpers import RunsCommand
 
 from convert import safe_pickle
 from convert.errors import CheckpointError
@@ -84,17 +84,9 @@ def test_frozendict_becomes_dict_without_importing_flax(tmp_path):
     assert out.stdout.strip() == str(arr.tolist())
 
 
-class _RunsCommand:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 def test_reduce_payload_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "pwned"
-    data = pickle.dumps({"params": {"w": _RunsCommand(marker)}, "config": {}})
+    data = pickle.dumps({"params": {"w": RunsCommand(marker)}, "config": {}})
     with pytest.raises(CheckpointError, match=r"forbidden global (posix|nt|os)\.system"):
         safe_loads(data)
     assert not marker.exists()
@@ -215,7 +207,7 @@ def test_load_file_big_endian_arrays_come_out_native(tmp_path):
 def test_load_file_refuses_what_load_refuses(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pkl"
-    path.write_bytes(pickle.dumps({"params": {"w": _RunsCommand(marker), "a": np.zeros(50_000)}}))
+    path.write_bytes(pickle.dumps({"params": {"w": RunsCommand(marker), "a": np.zeros(50_000)}}))
     with pytest.raises(CheckpointError, match=r"forbidden global (posix|nt|os)\.system"):
         safe_pickle.load_file(path)
     assert not marker.exists()

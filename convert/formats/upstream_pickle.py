@@ -26,11 +26,6 @@ from convert.tensors import TensorRef
 FORMAT = "upstream-pickle"
 
 
-def looks_like(head: bytes) -> bool:
-    """Protocol 2+ pickles start with PROTO; protocol 0/1 dict pickles with MARK/EMPTY_DICT/'('."""
-    return head[:1] == b"\x80" or head[:1] in (b"}", b"(")
-
-
 def read(path: Path) -> Source:
     size = path.stat().st_size
     if size == 0:
