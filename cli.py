@@ -338,6 +338,9 @@ def generate_command(
     max_enc_len: Annotated[Optional[int], typer.Option(
         "--max-enc-len", min=2, help="Truncate --query/--tools to this many encoder tokens, as upstream does.")
                            ] = None,
+    compile: Annotated[bool, typer.Option(
+        "--compile", help="torch: fuse the decoder step with torch.compile (3-4x faster steps at batch 1; the "
+                          "first call compiles for 15-30 s on 2 cores, cached on disk after).")] = False,
 ) -> None:
     """Greedy-decode from EOS with the cached decoder, printing tokens as they come (text too with --tokenizer)."""
     import time
@@ -386,13 +389,13 @@ def generate_command(
 
     start = time.perf_counter()
     ids = generate_from_checkpoint(checkpoint, src_ids, backend=backend, dtype=dtype, max_new_tokens=max_new_tokens,
-                                   suppress_tokens=suppress_ids, streamer=stream)
+                                   suppress_tokens=suppress_ids, streamer=stream, compile=compile)
     seconds = time.perf_counter() - start
     sys.stdout.write("\n")
     sys.stdout.flush()
     if tok is not None:
         typer.echo("ids: " + " ".join(map(str, ids)))
-    note = "; includes jit compilation" if backend == "flax" else ""
+    note = "; includes jit compilation" if backend == "flax" or compile else ""
     typer.echo(f"{len(ids) - 1} tokens in {seconds:.2f}s ({backend}, {dtype or checkpoint.config.dtype}, "
                f"{len(src_ids)} encoder tokens{note})", err=True)
 

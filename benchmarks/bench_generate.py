@@ -6,7 +6,8 @@ would otherwise stop at a random EOS):
   upstream recompute loop   Flax jit, the whole 65-token buffer re-decoded every step (the reference)
   flax cached               one jitted while_loop over decode_step (needle_flax.generate)
   torch cached eager        needle_torch.generate
-  torch cached compiled     the same with compile=True (torch.compile; its compile time reported apart)
+  torch cached compiled     the same with compile=True (torch.compile; at batch <= 4 the step's products are
+                            fused reductions; its compile time reported apart)
   encode latency            torch eager vs Flax jit on the same 256 tokens
   bandwidth bound           bytes a decoder step must read (weights; weights + K/V caches) against a
                             copy bandwidth measured in the same run
@@ -62,21 +63,22 @@ def copy_bandwidth(threads: int) -> tuple[float, str]:
 
 
 def step_bytes(cfg: TransformerConfig, batch: int, src_len: int, new_tokens: int) -> tuple[int, int]:
-    """(decoder weight bytes, + K/V cache bytes) one greedy step must read, in the compute dtype.
+    """(decoder weight bytes, + K/V cache bytes) one greedy step must read, weights in their stored dtype.
 
     Weights: per decoder layer the self-attention q/k/v/out and cross-attention q/out projections (cross
     k/v were projected once per request), norms and gates; the final norm; the tied embedding for the
-    logits. Caches: float32 self-attention K/V over the mean attended length, cross K/V of the source.
+    logits. Caches: float32 self-attention K/V over the mean attended length; cross K in the compute
+    dtype and cross V in float32 (as DecoderCache keeps them) over the source.
     """
     item = np_dtype(cfg.dtype).itemsize
     D, KH, h = cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-    per_layer = (3 * D * D + 2 * D * KH) + 2 * D * D + 2 * D + 4 * h + 2
+    per_layer = (2 * D * D + 2 * D * KH) + 2 * D * D + 2 * D + 4 * h + 2  # self q/k/v/out, cross q/out, norms
     if not cfg.no_feedforward:
         per_layer += 3 * D * cfg.d_ff + D + 1
     weights = (cfg.num_decoder_layers * per_layer + D + cfg.vocab_size * D) * item
     mean_len = (new_tokens + 1) / 2
     self_kv = cfg.num_decoder_layers * 2 * batch * KH * mean_len * 4
-    cross_kv = cfg.num_decoder_layers * 2 * batch * KH * src_len * item
+    cross_kv = cfg.num_decoder_layers * batch * KH * src_len * (item + 4)
     return weights, int(weights + self_kv + cross_kv)
 
 

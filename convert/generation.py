@@ -72,16 +72,20 @@ def check_token_ids(ids: list[int], config: TransformerConfig, what: str) -> Non
 
 def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "torch", dtype: str | None = None,
                              max_new_tokens: int = 64, suppress_tokens: Iterable[int] | None = None,
-                             streamer=None) -> list[int]:
+                             streamer=None, compile: bool = False) -> list[int]:
     """Greedy-decode one encoder sequence with a loaded `convert.io.Checkpoint`; ids from the starting EOS on.
 
     dtype: compute dtype (None = the checkpoint config's; upstream inference uses bfloat16); float32 pins
     full-precision matmuls in both frameworks. streamer: called with each new token id (int) as it is chosen.
+    compile: torch backend only, run the decoder step under torch.compile (see needle_torch.generate).
     """
     from convert.config import DTYPES, EOS_ID
 
     if backend not in ("torch", "flax"):
         raise GenerationError(f"--backend {backend!r} is unknown; use torch or flax")
+    if compile and backend != "torch":
+        raise GenerationError("--compile is for the torch backend (the flax loop is always jitted); drop it or "
+                              "use --backend torch")
     dtype = dtype or checkpoint.config.dtype
     if dtype not in DTYPES:
         raise GenerationError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
@@ -98,7 +102,7 @@ def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "
         if dtype == "float32":
             torch.set_float32_matmul_precision("highest")
         model = SimpleAttentionNetwork.from_flax(checkpoint.params, config, dtype=getattr(torch, dtype))
-        tokens = model.generate(torch.tensor([src_ids], dtype=torch.long), None, **args)
+        tokens = model.generate(torch.tensor([src_ids], dtype=torch.long), None, **args, compile=compile)
     else:
         import jax
         import jax.numpy as jnp

@@ -2,7 +2,8 @@
 
 The encoder runs once, each decoder layer's cross-attention K/V are projected once per
 request into `DecoderCache`, and self-attention K/V go into preallocated float32 buffers
-(upstream's cached path), so a step costs one token's worth of decoder work.
+(upstream's cached path), so a step costs one token's worth of decoder work. With
+compile=True each step (and its greedy pick) is one fused torch.compile graph.
 
 Contract (shared with `needle_flax.generate`): tokens (B, 1 + steps) start with EOS;
 each row stops at its first EOS (kept) and holds `pad_token_id` after it; the loop ends
@@ -32,18 +33,20 @@ def pick(logits: Tensor, done: Tensor, suppress: Tensor | None, eos: int, pad: i
     return nxt, done | (nxt == eos)
 
 
-def _greedy_loop(next_logits: Callable[[Tensor, int], Tensor], B: int, L: int, device: torch.device,
-                 suppress: tuple[int, ...], eos: int, pad: int, streamer: Streamer | None, return_logits: bool):
-    """Run up to L greedy steps; next_logits(tokens (B, 1+L), t) gives the (B, V) logits for position t + 1."""
-    suppress_ids = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
+Advance = Callable[[Tensor, int, Tensor], tuple[Tensor, Tensor, Tensor]]
+
+
+def _greedy_loop(advance: Advance, B: int, L: int, device: torch.device, eos: int, pad: int,
+                 streamer: Streamer | None, return_logits: bool):
+    """Run up to L greedy steps; advance(tokens (B, 1+L), t, done) gives (logits (B, V), next (B,), done (B,))
+    for position t + 1: pick() applied to that position's logits."""
     out = torch.full((B, L + 1), pad, dtype=torch.long, device=device)  # (B, 1+L)
     out[:, 0] = eos
     done = torch.zeros(B, dtype=torch.bool, device=device)
     step_logits = []
     steps = 0
     while steps < L:
-        logits = next_logits(out, steps)  # (B, V) float32
-        nxt, done = pick(logits, done, suppress_ids, eos, pad)
+        logits, nxt, done = advance(out, steps, done)
         out[:, steps + 1] = nxt
         steps += 1
         if return_logits:
@@ -67,15 +70,22 @@ def _prepare(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None
     return src, src_mask, suppress
 
 
-_compiled_decode_step: Callable | None = None
+def _step_and_pick(model: SimpleAttentionNetwork, tokens: Tensor, cache, pos: Tensor, cross_mask: Tensor | None,
+                   done: Tensor, suppress: Tensor | None, eos: int, pad: int) -> tuple[Tensor, Tensor, Tensor]:
+    """One decode step and its greedy choice, as one graph for torch.compile: (logits (B, V), next (B,), done)."""
+    logits = model.decode_step(tokens, cache, pos, cross_mask=cross_mask)[:, 0]  # (B, V)
+    return (logits, *pick(logits, done, suppress, eos, pad))
 
 
-def compiled_decode_step() -> Callable:
-    """`SimpleAttentionNetwork.decode_step(model, ...)` under torch.compile (one wrapper; graphs cached per shapes)."""
-    global _compiled_decode_step
-    if _compiled_decode_step is None:
-        _compiled_decode_step = torch.compile(SimpleAttentionNetwork.decode_step, fullgraph=True, dynamic=False)
-    return _compiled_decode_step
+_compiled_step: Callable | None = None
+
+
+def compiled_step() -> Callable:
+    """`_step_and_pick` under torch.compile (one wrapper; graphs cached per shapes and dtype)."""
+    global _compiled_step
+    if _compiled_step is None:
+        _compiled_step = torch.compile(_step_and_pick, fullgraph=True, dynamic=False)
+    return _compiled_step
 
 
 @torch.inference_mode()
@@ -88,31 +98,42 @@ def generate(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None
     upstream passes it; use make_padding_mask for padded batches). streamer: called with each step's (B,)
     tokens as they are produced. return_logits: also return the logits each step chose from (before
     suppression). Runs in the model's dtype and on its device.
-    compile: run the decoder step under torch.compile with fixed shapes (attends over the whole cache under
-    a mask). Compiles once per (batch, source length, max_new_tokens, dtype); on 2 CPU cores that took
-    up to 60 s (seconds when inductor's disk cache hits) and then saved 13-36% per step at the published
-    size (benchmarks/bench_generate.py). float32 logits stay within 1e-6
-    of eager; in bfloat16 inductor keeps some intermediates in float32, as XLA's jit does, so logits move
-    by up to ~1e-2 relative (7e-3 on the fixtures, same tokens).
+    compile: run each decoder step and its greedy choice as one torch.compile graph with fixed shapes
+    (attends over the whole cache under a mask). At batch <= 4 the step's products are written as
+    reductions (needle_torch.model.REDUCE_MAX_ROWS) that inductor fuses into a few passes reading every
+    weight once in its own dtype. Compiles once per (batch, source length, max_new_tokens, dtype): 15-30 s
+    on 2 CPU cores the first time, seconds when inductor's disk cache hits. At the published size, batch 1,
+    a step then takes 2.4 ms instead of 10 ms in bfloat16 (benchmarks/bench_generate.py). float32 logits
+    stay within 1e-6 of eager; in bfloat16 inductor keeps some intermediates in float32, as XLA's jit does,
+    so logits move by up to ~1e-2 relative (2e-3 at the published size, 7e-3 on the fixtures, same tokens).
     """
     src, src_mask, suppress = _prepare(model, src, src_mask, max_new_tokens, eos_token_id, pad_token_id,
                                        suppress_tokens)
     L = int(max_new_tokens)
     encoder_out, _ = model.encode(src, src_mask)  # (B, S, D)
     cache = model.new_cache(encoder_out, L)  # cross K/V projected here, once
+    suppress_ids = torch.tensor(suppress, dtype=torch.long, device=model.device) if suppress else None
 
     if compile:
-        step = compiled_decode_step()
+        step = compiled_step()
         positions = torch.arange(L, device=model.device)  # 0-d tensor positions: one graph for every step
 
-        def next_logits(out: Tensor, t: int) -> Tensor:
-            return step(model, out[:, t : t + 1], cache, positions[t], cross_mask=src_mask)[:, 0]  # (B, V)
+        def advance(out: Tensor, t: int, done: Tensor):
+            args = (model, out[:, t : t + 1], cache, positions[t], src_mask, done, suppress_ids, eos_token_id,
+                    pad_token_id)
+            if t == 0:
+                return step(*args)  # guarded call: compiles, or picks the graph for these shapes and dtype
+            # Later steps repeat step 0's call with the same model, cache and shapes: skip re-checking its
+            # ~200 tensor guards (a third of a step's time at batch 1); diff guards still pick the graph.
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return step(*args)
     else:
-        def next_logits(out: Tensor, t: int) -> Tensor:
-            return model.decode_step(out[:, t : t + 1], cache, t, cross_mask=src_mask)[:, 0]  # (B, V)
+        def advance(out: Tensor, t: int, done: Tensor):
+            logits = model.decode_step(out[:, t : t + 1], cache, t, cross_mask=src_mask)[:, 0]  # (B, V)
+            return (logits, *pick(logits, done, suppress_ids, eos_token_id, pad_token_id))
 
-    return _greedy_loop(next_logits, src.shape[0], L, model.device, suppress, eos_token_id, pad_token_id,
-                        streamer, return_logits)
+    return _greedy_loop(advance, src.shape[0], L, model.device, eos_token_id, pad_token_id, streamer,
+                        return_logits)
 
 
 @torch.inference_mode()
@@ -126,8 +147,11 @@ def generate_recompute(model: SimpleAttentionNetwork, src: Tensor, src_mask: Ten
     encoder_out, _ = model.encode(src, src_mask)  # (B, S, D)
     causal = make_causal_mask(L + 1, model.device)  # (1, 1, 1+L, 1+L)
 
-    def next_logits(out: Tensor, t: int) -> Tensor:
-        return model.decode(out, encoder_out, causal, src_mask)[:, t]  # (B, V)
+    suppress_ids = torch.tensor(suppress, dtype=torch.long, device=model.device) if suppress else None
 
-    return _greedy_loop(next_logits, src.shape[0], L, model.device, suppress, eos_token_id, pad_token_id,
-                        streamer, return_logits)
+    def advance(out: Tensor, t: int, done: Tensor):
+        logits = model.decode(out, encoder_out, causal, src_mask)[:, t]  # (B, V)
+        return (logits, *pick(logits, done, suppress_ids, eos_token_id, pad_token_id))
+
+    return _greedy_loop(advance, src.shape[0], L, model.device, eos_token_id, pad_token_id, streamer,
+                        return_logits)

@@ -21,6 +21,41 @@ from torch import Tensor, nn
 
 from convert.config import TransformerConfig
 
+# ----------------------------------------------------------------------------- products
+
+# Under torch.compile, a product with at most this many rows (a decode step's few tokens) is written as a
+# multiply-and-sum. Inductor then fuses it with the ops around it into one vectorised pass that reads each
+# weight once in its stored dtype (bf16 weights upcast in registers), where a GEMV call per projection is
+# bound by call overhead at this size. Eager mode and larger products keep the BLAS/oneDNN kernels.
+REDUCE_MAX_ROWS = 4
+
+
+def as_reduction(rows: int) -> bool:
+    """Whether a product with `rows` rows is written as a multiply-and-sum here (compiled, few rows)."""
+    return torch.compiler.is_compiling() and rows <= REDUCE_MAX_ROWS
+
+
+def matmul_nt(a: Tensor, b: Tensor, dtype: torch.dtype, reduce: bool = False) -> Tensor:
+    """a (..., M, I) @ b (..., N, I)^T -> (..., M, N) in `dtype`: products and sums in float32, rounded once.
+
+    That is what a `dtype` matmul computes on CPU and GPU (float32 accumulation); `reduce` writes it as
+    a broadcast multiply-and-sum (see REDUCE_MAX_ROWS), equal up to the order of the float32 sum.
+    """
+    if reduce:
+        return (a.float()[..., :, None, :] * b.float()[..., None, :, :]).sum(-1).to(dtype)
+    return torch.matmul(a.to(dtype), b.to(dtype).transpose(-1, -2))
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose few-row products under torch.compile are reductions."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not as_reduction(x.shape[:-1].numel()):
+            return F.linear(x, self.weight, self.bias)
+        y = matmul_nt(x[..., None, :], self.weight, torch.float32, reduce=True)[..., 0, :]  # (..., O) float32
+        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- pieces
 
 
@@ -94,9 +129,11 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) 
     both, the compute dtype otherwise (cross-attention). Masked scores become
     finfo(float32).min, so a fully masked row is uniform, never NaN.
     """
-    h = q.shape[-1]
+    B, H, T, h = q.shape
+    K, S = k.shape[1], k.shape[2]
     qk_dtype = torch.promote_types(q.dtype, k.dtype)
-    if qk_dtype == torch.float32:
+    reduce = as_reduction(B * T)
+    if qk_dtype == torch.float32 and not reduce:
         # Same function as upstream; SDPA shares K/V across the G query heads (GQA)
         # without materialising the repeats. An additive finfo.min mask equals
         # where(mask, s, min) exactly: |s| is far below min's spacing.
@@ -108,17 +145,15 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) 
             q.float(), k.float(), v.float(), attn_mask=bias, scale=1.0 / math.sqrt(h),
             enable_gqa=q.shape[1] != k.shape[1],
         )
-    B, H, T, _ = q.shape
-    K, S = k.shape[1], k.shape[2]
-    # The G query heads of a KV head become rows of one matmul against that head's keys: GQA
+    # The G query heads of a KV head become rows of one product against that head's keys: GQA
     # without broadcasting k and v over G (a broadcast matmul copies them G times).
     q = q.reshape(B, K, H // K * T, h)  # (B, K, G*T, h): head K*g+j reads kv head K
-    scores = torch.matmul(q.to(qk_dtype), k.to(qk_dtype).transpose(-1, -2))  # (B, K, G*T, S)
+    scores = matmul_nt(q, k, qk_dtype, reduce)  # (B, K, G*T, S)
     scores = scores.float().view(B, K, H // K, T, S) / math.sqrt(h)  # (B, K, G, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min)
     probs = scores.softmax(dim=-1).view(B, K, H // K * T, S)  # (B, K, G*T, S)
-    out = torch.matmul(probs, v.float())  # (B, K, G*T, h)
+    out = matmul_nt(probs, v.float().transpose(-1, -2), torch.float32, reduce)  # (B, K, G*T, h)
     return out.reshape(B, H, T, h)
 
 
@@ -131,10 +166,10 @@ class MultiHeadAttention(nn.Module):
         D, h, K = config.d_model, config.head_dim, config.num_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, K, h
         self.rope_keys_only = rope_keys_only
-        self.q_proj = nn.Linear(D, D, bias=False)
-        self.k_proj = nn.Linear(D, K * h, bias=False)
-        self.v_proj = nn.Linear(D, K * h, bias=False)
-        self.out_proj = nn.Linear(D, D, bias=False)
+        self.q_proj = Linear(D, D, bias=False)
+        self.k_proj = Linear(D, K * h, bias=False)
+        self.v_proj = Linear(D, K * h, bias=False)
+        self.out_proj = Linear(D, D, bias=False)
         self.q_norm = ZCRMSNorm(h)
         self.k_norm = ZCRMSNorm(h)
 
@@ -200,9 +235,9 @@ class FeedForward(nn.Module):
         super().__init__()
         D, Fd = config.d_model, config.d_ff
         self.activation = config.activation
-        self.gate_proj = nn.Linear(D, Fd, bias=False)
-        self.up_proj = nn.Linear(D, Fd, bias=False)
-        self.down_proj = nn.Linear(Fd, D, bias=False)
+        self.gate_proj = Linear(D, Fd, bias=False)
+        self.up_proj = Linear(D, Fd, bias=False)
+        self.down_proj = Linear(Fd, D, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, F)
@@ -341,8 +376,8 @@ class SimpleAttentionNetwork(nn.Module):
         self.embed_scale = math.sqrt(D)
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
-        self.contrastive_hidden = nn.Linear(D, D // 4)
-        self.contrastive_proj = nn.Linear(D // 4, config.contrastive_dim, bias=False)
+        self.contrastive_hidden = Linear(D, D // 4)
+        self.contrastive_proj = Linear(D // 4, config.contrastive_dim, bias=False)
         self.log_temp = nn.Parameter(torch.zeros(()))
         self.logits_tap = Tap()
         self.contrastive_tap = Tap()
@@ -389,6 +424,8 @@ class SimpleAttentionNetwork(nn.Module):
 
     def _logits(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """float32 logits against the tied embedding; weight: that embedding already in float32 (V, D)."""
+        if as_reduction(x.shape[:-1].numel()):  # reads the embedding in its own dtype, upcast in the kernel
+            return self.logits_tap(matmul_nt(x, self.embedding.weight, torch.float32, reduce=True))
         weight = self.embedding.weight.float() if weight is None else weight
         return self.logits_tap(x.float() @ weight.T)  # (B, T, V) float32, tied
 

@@ -167,3 +167,68 @@ def test_flax_cached_self_attention_equals_uncached():
         cache = state["cache"]
         outs.append(out)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- few-row products under compile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_products_as_reductions_equal_matmul(dtype):
+    """matmul_nt's multiply-and-sum form (compiled decode steps) computes what the matmul computes."""
+    from needle_torch.model import matmul_nt
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 3, 4, 64, generator=gen).to(dtype)  # (..., M, I)
+    b = torch.randn(2, 3, 9, 64, generator=gen).to(dtype)  # (..., N, I)
+    by_matmul, by_sum = matmul_nt(a, b, dtype), matmul_nt(a, b, dtype, reduce=True)
+    assert by_sum.dtype == by_matmul.dtype == dtype and by_sum.shape == (2, 3, 4, 9)
+    exact = (a.double() @ b.double().transpose(-1, -2))
+    # Both accumulate exact products in float32 and round once to dtype; only the order of the float32 sum
+    # differs, so each is within one rounding of dtype (2^-8 bf16, 2^-11 f16, 2^-24 f32 relative) of the exact
+    # product, plus float32's summation error over 64 terms (~64 * 2^-24) relative to max |exact|.
+    ulp = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    bound = (ulp + 64 * 2.0**-24) * float(exact.abs().max())
+    for got in (by_matmul, by_sum):
+        assert float((got.double() - exact).abs().max()) <= bound
+
+
+def test_reduction_form_only_under_compile_and_for_few_rows():
+    from needle_torch.model import REDUCE_MAX_ROWS, as_reduction
+
+    assert not as_reduction(1)  # eager keeps BLAS / oneDNN
+
+    def probe(x):
+        return x + (1 if as_reduction(REDUCE_MAX_ROWS) else 0) + (10 if as_reduction(REDUCE_MAX_ROWS + 1) else 0)
+
+    out = torch.compile(probe, backend="eager", fullgraph=True)(torch.zeros(()))
+    assert float(out) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_few_row_projections_attention_and_logits_equal_eager(dtype):
+    """The reduction forms a compiled decode step uses equal the eager modules (aot_eager runs the traced graph)."""
+    cfg = TransformerConfig(vocab_size=50, d_model=32, num_heads=4, num_kv_heads=2, max_seq_len=16)
+    torch.manual_seed(0)
+    model = nt.SimpleAttentionNetwork(cfg).to(dtype).eval()
+    proj = nt.model.Linear(32, 8).to(dtype)
+    torch.nn.init.normal_(proj.bias)
+    x = torch.randn(1, 2, 32).to(dtype)  # 2 rows: the reduction form
+    q = torch.randn(1, 4, 1, 8)  # float32 q/k (self-attention after RoPE) ...
+    k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    mask = torch.tensor([True] * 4 + [False] * 2)[None, None, None]
+    qb, kb = q.to(dtype), k.to(dtype)  # ... and compute-dtype q/k (cross-attention)
+
+    def pieces(x, q, k, v, qb, kb):
+        return (proj(x), nt.dot_product_attention(q, k, v, mask), nt.dot_product_attention(qb, kb, v, mask),
+                model._logits(x))
+
+    with torch.inference_mode():
+        eager = pieces(x, q, k, v, qb, kb)
+        compiled = torch.compile(pieces, backend="aot_eager", fullgraph=True)(x, q, k, v, qb, kb)
+    # Same roundings in both forms; the float32 sums differ in order only: ~1e-6 relative in float32, and at
+    # most one rounding step (2^-8 relative) where a bfloat16 result is rounded.
+    tol = 1e-6 if dtype == torch.float32 else 2.0**-8
+    names = ["linear", "attention f32 q/k", "attention dtype q/k", "logits"]
+    for name, e, c in zip(names, eager, compiled, strict=True):
+        assert c.dtype == e.dtype and c.shape == e.shape, name
+        assert float((c.double() - e.double()).abs().max()) <= tol * float(e.double().abs().max()), name

@@ -70,11 +70,11 @@ def test_tokenizer_errors_name_the_fix(tmp_path):
 # ----------------------------------------------------------------------------- CliRunner
 
 
-@pytest.mark.parametrize("backend", ["torch", "flax"])
+@pytest.mark.parametrize("backend", ["torch", "flax", "torch --compile"])
 def test_generate_tokens_reproduces_upstream_greedy(backend):
     src, expected = _row(0)
     result = CliRunner().invoke(app, ["generate", str(CKPT), "--tokens", src, "--dtype", "float32", "--backend",
-                                      backend, "--suppress", SPECIAL, "--max-new-tokens", "11"])
+                                      *backend.split(), "--suppress", SPECIAL, "--max-new-tokens", "11"])
     assert result.exit_code == 0, result.output
     assert _streamed_ids(result.stdout) == expected[1:]
 
@@ -109,6 +109,7 @@ def test_generate_query_and_tools_streams_text_and_ids(tokenizer_path):
     (["--tokens", "7 8", "--backend", "jax"], "--backend 'jax' is unknown"),
     (["--tokens", "7 8", "--dtype", "float64"], "--dtype 'float64' is unknown"),
     (["--tokens", "7 8", "--suppress", "600"], "outside the vocabulary"),
+    (["--tokens", "7 8", "--backend", "flax", "--compile"], "--compile is for the torch backend"),
 ])
 def test_generate_bad_input_is_one_line_and_exit_2(args, message):
     result = CliRunner().invoke(app, ["generate", str(CKPT), *args])
