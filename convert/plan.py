@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -29,9 +30,10 @@ from convert.mapping import (
     torch_shape,
 )
 from convert.source import FLAX, TORCH, Source
-from convert.tensors import WEIGHT_DTYPES, TensorRef, dtype_name, read_span
+from convert.tensors import WEIGHT_DTYPES, TensorRef, dtype_name, map_span
 
 EMBEDDING = {FLAX: "embedding/embedding", TORCH: "embedding.weight"}
+PART_BYTES = 16 * 2**20  # largest band of rows a writer reads at once from an untransposed file-backed tensor
 
 
 @dataclass(frozen=True)
@@ -48,18 +50,20 @@ class Piece:
     def load(self) -> np.ndarray:
         """The piece as an array of its own (from a file, only this layer's bytes are read)."""
         if self.ref.span is not None:
-            return self.read(lambda nbytes: np.empty(nbytes, np.uint8))
+            return np.array(self.read())  # a copy of its own: the mapping goes with the view
         array = self.ref.load()
         return array if self.index is None else array[self.index, ...]  # [i, ...] keeps a 0-d gate an array
 
-    def read(self, scratch: Callable[[int], np.ndarray]) -> np.ndarray:
-        """The piece, read into scratch(nbytes) when its bytes lie in a file, else the in-memory array."""
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The piece (rows start:stop of it): mapped read-only from its file when its bytes lie in one,
+        else the in-memory array (a view either way, maybe not C-contiguous in memory)."""
         if self.ref.span is None:
-            return self.load()
+            return self.load() if stop is None else self.load()[start:stop]
         path, offset = self.ref.span
-        out = scratch(math.prod(self.shape) * self.ref.dtype.itemsize).view(self.ref.dtype).reshape(self.shape)
-        read_span(path, offset + (self.index or 0) * out.nbytes, out)
-        return out
+        shape, itemsize = self.shape, self.ref.dtype.itemsize
+        band = shape if stop is None else (stop - start, *shape[1:])
+        at = offset + (self.index or 0) * math.prod(shape) * itemsize + start * math.prod(shape[1:]) * itemsize
+        return map_span(path, at, band, self.ref.dtype)
 
 
 @dataclass(frozen=True)
@@ -96,22 +100,40 @@ class Planned:
             copy_into(out, self.pieces[0].load(), self.transpose)
 
     def parts(self, scratch: Callable[[int, int], np.ndarray]) -> Iterator[tuple[int, np.ndarray]]:
-        """(byte offset within the tensor, C-contiguous array) per piece, for a writer.
+        """(byte offset within the tensor, C-contiguous array) per part, in file order (see `jobs`)."""
+        for at, make in self.jobs():
+            yield at, make(scratch)
 
-        scratch(slot, nbytes) lends reusable uint8 buffers (slot 0: source bytes, slot 1: transposed or
-        cast); a part that lives in one is valid until the next part is asked for.
+    def jobs(self) -> Iterator[tuple[int, Callable[[Callable[[int, int], np.ndarray]], np.ndarray]]]:
+        """(byte offset within the tensor, make(scratch) -> C-contiguous array) per part, in file order.
+
+        A part is a piece (a layer), or a band of at most PART_BYTES of an untransposed file-backed piece
+        (an embedding is 100+ MB: bands keep the buffers small and let the writer start early). Parts are
+        independent, so writers may make several at once. A part is a read-only view of the source file's
+        mapped pages when nothing changes, else made in scratch(1, nbytes), a reusable uint8 buffer valid
+        until it is lent again.
         """
         shape = self.shape[1:] if self.stacked else self.shape
         nbytes = math.prod(shape) * self.dtype.itemsize
         for i, piece in enumerate(self.pieces):
-            source = piece.read(lambda n: scratch(0, n))
-            if (not self.transpose and source.dtype == self.dtype and source.flags.c_contiguous
-                    and source.shape == shape):
-                yield i * nbytes, source  # already laid out as the file wants it
+            if self.transpose or len(shape) < 1 or piece.ref.span is None or nbytes <= PART_BYTES:
+                bands = [(0, None)]
             else:
-                out = scratch(1, nbytes).view(self.dtype).reshape(shape)
-                copy_into(out, source, self.transpose)
-                yield i * nbytes, out
+                rows = max(1, PART_BYTES // max(1, nbytes // shape[0]))
+                bands = [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
+            for start, stop in bands:
+                at = i * nbytes + (0 if stop is None else start * (nbytes // shape[0]))
+                yield at, partial(self._make_part, piece, start, stop, shape)
+
+    def _make_part(self, piece: Piece, start: int, stop: int | None, shape: tuple[int, ...],
+                   scratch: Callable[[int, int], np.ndarray]) -> np.ndarray:
+        source = piece.read(start, stop)
+        band = shape if stop is None else (stop - start, *shape[1:])
+        if not self.transpose and source.dtype == self.dtype and source.flags.c_contiguous and source.shape == band:
+            return source  # already laid out as the file wants it
+        out = scratch(1, math.prod(band) * self.dtype.itemsize).view(self.dtype).reshape(band)
+        copy_into(out, source, self.transpose)
+        return out
 
     def array(self) -> np.ndarray:
         """The tensor as a C-contiguous array of its own (or the in-memory source, when nothing changes)."""

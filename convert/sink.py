@@ -2,20 +2,26 @@
 
 Every format we write is laid out up front: headers are small and computed first, and each
 tensor's place in the file is known from its shape. So the file is reserved in full
-(posix_fallocate: a full disk fails here, cleanly, not halfway through), the small segments
-are written, and then each tensor is written at its offset, part by part (a layer at a time),
-while the next part is read, transposed, cast and checked on a second thread (numpy copies,
-pread and pwrite drop the GIL). Parts go through a few reused buffers, never fresh memory;
-on the benchmark VM this beat filling mapped output pages by 2-5x (a page fault per 4 KiB).
+(posix_fallocate: a full disk fails here, cleanly, not halfway through) and then written
+front to back, while the next tensor parts (layers, or bands of rows) are read, transposed,
+cast and checked on two worker threads (numpy copies, pread and pwrite drop the GIL). Parts
+go through a few reused buffers, never fresh memory.
+
+The bytes go out through `SequentialFile`: gathered into one reused, page-aligned block and
+written with O_DIRECT where the filesystem allows it, so they go from our buffer to the
+device without a page-cache copy. On the benchmark VM that made writing a 2.55 GB file
+4-6x faster (page-cache pages for a new file cost a host page fault each) and takes no
+page cache from the user's other files.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
-import queue
-import threading
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +29,10 @@ import numpy as np
 from convert.plan import Planned
 
 Segment = bytes | Planned
-_LANES = 3  # parts in flight: one being produced, one queued, one being written
+_WORKERS = 2  # threads making parts (on 2 cores: the writer mostly waits on the disk)
+_LANES = 4  # parts in flight: being made, made and waiting, being written
+_BLOCK = 32 * 2**20  # bytes per write; a multiple of every device block size O_DIRECT may require
+_ALIGN = 4096  # O_DIRECT alignment of offsets and lengths (the largest common logical block size)
 
 
 class Segments:
@@ -51,23 +60,127 @@ class Segments:
 
 
 def write_file(path: Path, segments: Sequence[Segment], *, on_bytes: Callable[[int], None] | None = None,
-               check: Callable[[str, np.ndarray], None] | None = None, pipeline: bool = True) -> None:
-    """Create path (it must not exist) with the segments in order; `check` sees every tensor part written."""
+               check: Callable[[str, np.ndarray], None] | None = None, pipeline: bool = True,
+               direct: bool = True) -> None:
+    """Create path (it must not exist) with the segments in order; `check` sees every tensor part written.
+
+    direct: try O_DIRECT (silently buffered where the filesystem or platform has none)."""
     total = sum(len(s) if isinstance(s, bytes) else s.nbytes for s in segments)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with SequentialFile(path, total, direct=direct) as out:
+        _stream(out, segments, on_bytes, check, pipeline)
+
+
+class SequentialFile:
+    """A new file written front to back: appended bytes are gathered into aligned blocks, each written (with
+    O_DIRECT when available) on a writer thread while the next fills; the padded last block is cut back."""
+
+    def __init__(self, path: Path, total: int, direct: bool = True) -> None:
+        self.path, self.total = path, total
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _reserve(self.fd, total)
+            self.direct = direct and _enable_direct(self.fd)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._maps = [mmap.mmap(-1, _BLOCK) for _ in range(2)]  # page-aligned, as O_DIRECT needs
+        self._writes: list[Future | None] = [None, None]  # the write in flight from each block
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="needle-twin-write")
+        self._current = 0  # the block being filled
+        self._block = np.frombuffer(self._maps[0], np.uint8)
+        self._fill = 0  # bytes gathered in the current block
+        self._offset = 0  # file offset of the current block
+        self.appended = 0
+
+    def append(self, data: bytes | np.ndarray) -> None:
+        view = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        view = view.reshape(-1).view(np.uint8)
+        self.appended += view.size
+        while view.size:
+            n = min(view.size, _BLOCK - self._fill)
+            self._block[self._fill:self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == _BLOCK:
+                self._submit(_BLOCK)
+
+    def _submit(self, nbytes: int) -> None:
+        """Hand the current block's first nbytes to the writer thread and switch to the other block."""
+        i = self._current
+        self._writes[i] = self._writer.submit(self._write, self._maps[i], nbytes, self._offset)
+        self._offset += nbytes
+        self._current = 1 - i
+        if self._writes[self._current] is not None:
+            self._writes[self._current].result()  # its previous write must be done before we refill it
+            self._writes[self._current] = None
+        self._block = np.frombuffer(self._maps[self._current], np.uint8)
+        self._fill = 0
+
+    def _write(self, block: mmap.mmap, nbytes: int, at: int) -> None:
+        """pwrite block[:nbytes] at `at` (a multiple of _ALIGN, as O_DIRECT needs); on the writer thread."""
+        data = memoryview(block)[:nbytes]
+        while data:
+            try:
+                n = os.pwrite(self.fd, data, at)
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL):
+                    raise
+                self.direct = _disable_direct(self.fd)  # the filesystem took O_DIRECT at open but not here
+                continue
+            data, at = data[n:], at + n
+
+    def _drain(self) -> None:
+        for i, write in enumerate(self._writes):
+            if write is not None:
+                self._writes[i] = None
+                write.result()
+
+    def close(self) -> None:
+        if self.appended != self.total:
+            raise AssertionError(f"{self.path}: {self.appended} bytes written, {self.total} planned")
+        self._drain()
+        if self._fill:
+            tail = self._fill
+            padded = -(-tail // _ALIGN) * _ALIGN if self.direct else tail  # O_DIRECT writes whole blocks
+            self._block[tail:padded] = 0
+            self._submit(padded)
+            self._drain()
+        if self._offset != self.total:
+            os.ftruncate(self.fd, self.total)  # cut the last block's zero padding
+
+    def __enter__(self) -> SequentialFile:
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            if kind is None:
+                self.close()
+        finally:
+            self._writer.shutdown(wait=True)  # a write in flight finishes before its block and fd go
+            os.close(self.fd)
+            del self._block
+            for m in self._maps:
+                m.close()
+
+
+def _enable_direct(fd: int) -> bool:
+    flag = getattr(os, "O_DIRECT", 0)  # Linux, FreeBSD; not macOS or Windows
+    if not flag:
+        return False
     try:
-        _reserve(fd, total)
-        regions, offset = [], 0
-        for segment in segments:
-            if isinstance(segment, bytes):
-                _pwrite_all(fd, segment, offset)
-                offset += len(segment)
-            else:
-                regions.append((segment, offset))
-                offset += segment.nbytes
-        _fill_regions(fd, regions, on_bytes, check, pipeline)
-    finally:
-        os.close(fd)
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | flag)
+        return True
+    except OSError:  # e.g. tmpfs: EINVAL
+        return False
+
+
+def _disable_direct(fd: int) -> bool:
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0))
+    return False
 
 
 def _reserve(fd: int, total: int) -> None:
@@ -79,13 +192,6 @@ def _reserve(fd: int, total: int) -> None:
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise  # ENOSPC, EDQUOT, EFBIG: the caller reports it and removes the file
-
-
-def _pwrite_all(fd: int, data: bytes | np.ndarray, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 class _Lane:
@@ -101,62 +207,64 @@ class _Lane:
         return self.buffers[slot][:nbytes]
 
 
-def _fill_regions(fd: int, regions: list[tuple[Planned, int]], on_bytes: Callable[[int], None] | None,
-                  check: Callable[[str, np.ndarray], None] | None, pipeline: bool) -> None:
-    """Produce the parts (read, transpose, cast, check) and write them; with `pipeline`, production runs on a
-    second thread ahead of the writes. Writes stay on one thread: concurrent pwrites to one file contend on
-    its lock and were measured 2-8x slower in total."""
+def _make(name: str, make: Callable[[_Lane], np.ndarray], lane: _Lane,
+          check: Callable[[str, np.ndarray], None] | None) -> np.ndarray:
+    part = make(lane)
+    if check is not None:
+        check(name, part)
+    return part
+
+
+def _stream(out: SequentialFile, segments: Sequence[Segment], on_bytes: Callable[[int], None] | None,
+            check: Callable[[str, np.ndarray], None] | None, pipeline: bool) -> None:
+    """Make the tensor parts (read, transpose, cast, check) and append them with the byte segments, in file
+    order. With `pipeline`, _WORKERS threads make the parts ahead of the writes (numpy copies and preads
+    drop the GIL), each in its own lane; the calling thread writes them as they complete, in order."""
+    items: list = []  # ("bytes", data) | ("part", name, make) | ("done", nbytes), in file order
+    for segment in segments:
+        if isinstance(segment, bytes):
+            items.append(("bytes", segment))
+        else:
+            items += [("part", segment.name, make) for _, make in segment.jobs()]
+            items.append(("done", segment.nbytes))
     if not pipeline:
         lane = _Lane()
-        for planned, offset in regions:
-            for at, part in planned.parts(lane):
-                if check is not None:
-                    check(planned.name, part)
-                _pwrite_all(fd, part.reshape(-1).view(np.uint8), offset + at)
-            if on_bytes is not None:
-                on_bytes(planned.nbytes)
+        for item in items:
+            _consume(out, item if item[0] != "part" else ("made", _make(item[1], item[2], lane, check)), on_bytes)
         return
-    free: queue.Queue = queue.Queue()  # lanes nobody is using
-    for _ in range(_LANES):
-        free.put(_Lane())
-    ready: queue.Queue = queue.Queue()  # ("part", offset, array, lane) | ("done", nbytes) | ("end",) | ("error", e)
-    stop = threading.Event()
-
-    def produce() -> None:
+    free = [_Lane() for _ in range(_LANES)]
+    pending: deque = deque()  # items submitted, in file order; parts as (future, lane)
+    with ThreadPoolExecutor(_WORKERS, thread_name_prefix="needle-twin-part") as pool:
         try:
-            for planned, offset in regions:
-                current = [free.get()]
-                for at, part in planned.parts(lambda slot, n, current=current: current[0](slot, n)):
-                    if stop.is_set():
-                        return
-                    if check is not None:
-                        check(planned.name, part)
-                    ready.put(("part", offset + at, part, current[0]))
-                    current[0] = free.get()  # the next part must not overwrite one still waiting to be written
-                free.put(current[0])
-                ready.put(("done", planned.nbytes))
-            ready.put(("end",))
-        except BaseException as e:  # handed to the writer, which re-raises it
-            ready.put(("error", e))
+            for item in items:
+                if item[0] == "part":
+                    while not free:  # every lane holds a part in flight: write the oldest out first
+                        _consume_pending(out, pending, free, on_bytes)
+                    lane = free.pop()
+                    pending.append(("future", pool.submit(_make, item[1], item[2], lane, check), lane))
+                else:
+                    pending.append(item)
+            while pending:
+                _consume_pending(out, pending, free, on_bytes)
+        finally:
+            for item in pending:  # on an error: don't start parts nobody will write
+                if item[0] == "future":
+                    item[1].cancel()
 
-    producer = threading.Thread(target=produce, name="needle-twin-produce", daemon=True)
-    producer.start()
-    try:
-        while True:
-            message = ready.get()
-            if message[0] == "end":
-                break
-            if message[0] == "error":
-                raise message[1]
-            if message[0] == "done":
-                if on_bytes is not None:
-                    on_bytes(message[1])
-                continue
-            _, at, part, lane = message
-            _pwrite_all(fd, part.reshape(-1).view(np.uint8), at)
-            free.put(lane)
-    finally:
-        stop.set()
-        while producer.is_alive():  # unblock a producer waiting for a free lane, then let it finish
-            free.put(_Lane())
-            producer.join(timeout=0.05)
+
+def _consume_pending(out: SequentialFile, pending: deque, free: list, on_bytes) -> None:
+    item = pending.popleft()
+    if item[0] == "future":
+        _, future, lane = item
+        _consume(out, ("made", future.result()), on_bytes)
+        free.append(lane)
+    else:
+        _consume(out, item, on_bytes)
+
+
+def _consume(out: SequentialFile, item: tuple, on_bytes: Callable[[int], None] | None) -> None:
+    if item[0] == "done":
+        if on_bytes is not None:
+            on_bytes(item[1])
+    else:  # "bytes" or "made"
+        out.append(item[1])

@@ -68,6 +68,61 @@ def test_upstream_pickle_safetensors_pickle_is_bit_exact(tmp_path):
     assert type(again["params"]["embedding"]["embedding"]) is np.ndarray
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_byte_identical_through_small_bands_and_write_blocks(tmp_path, monkeypatch, direct):
+    """The paths big checkpoints take, at fixture size: untransposed tensors read in bands of rows, files
+    written in many blocks (O_DIRECT where /tmp allows it) with a padded, cut-back tail."""
+    from convert import plan, sink
+
+    monkeypatch.setattr(plan, "PART_BYTES", 300)  # the (256, 64) f32 embedding: 1 row per band, 256 bands
+    monkeypatch.setattr(sink, "_BLOCK", 2 * sink._ALIGN)  # ~120 KB fixture: dozens of blocks
+    if not direct:
+        monkeypatch.setattr(sink, "_enable_direct", lambda fd: False)
+    src = io.open_source(FIXTURE_PKL)
+    for name in ("m.safetensors", "m.msgpack"):
+        io.write_source(src, io.resolve_config(src), tmp_path / name)
+        back = io.open_source(tmp_path / name)
+        io.write_source(back, io.resolve_config(back), tmp_path / f"{name}.pkl")
+    assert_trees_bit_identical(_plain_pickle(tmp_path / "m.safetensors.pkl")["params"],
+                               _plain_pickle(FIXTURE_PKL)["params"])
+    monkeypatch.undo()  # default bands and blocks write the same bytes
+    io.write_source(src, io.resolve_config(src), tmp_path / "default.safetensors")
+    back = io.open_source(tmp_path / "default.safetensors")
+    io.write_source(back, io.resolve_config(back), tmp_path / "default.pkl")
+    default = {suffix: (tmp_path / f"default{suffix}").read_bytes() for suffix in (".safetensors", ".pkl")}
+    assert (tmp_path / "m.safetensors").read_bytes() == default[".safetensors"]
+    assert (tmp_path / "m.safetensors.pkl").read_bytes() == default[".pkl"]
+    assert (tmp_path / "m.msgpack.pkl").read_bytes() == default[".pkl"]
+
+
+def test_direct_io_refused_mid_file_falls_back_to_buffered_writes(tmp_path, monkeypatch):
+    """A filesystem that accepts O_DIRECT at open but rejects the writes (EINVAL) still gets the whole file."""
+    import errno
+
+    from convert import sink
+
+    real_pwrite, calls = os.pwrite, []
+
+    def picky_pwrite(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(sink, "_BLOCK", 2 * sink._ALIGN)
+    monkeypatch.setattr(sink.os, "pwrite", picky_pwrite)
+    payload = np.arange(5000, dtype=np.float32)  # 20,000 bytes: two full blocks and a tail
+    sink.write_file(tmp_path / "out.bin", [b"head", Planned_of("x", payload), b"tail"])
+    assert (tmp_path / "out.bin").read_bytes() == b"head" + payload.tobytes() + b"tail"
+    assert len(calls) >= 4  # the refused write was retried, then the rest went through
+
+
+def Planned_of(name, array):
+    from convert.plan import Planned
+
+    return Planned.of(name, array)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("via", ["m.safetensors", "hfdir", "m.msgpack", "m.pkl"])
 def test_round_trip_through_each_format_keeps_dtype(tmp_path, dtype, via):
@@ -436,3 +491,16 @@ def test_big_endian_arrays_in_memory_are_written_as_numbers_not_bytes(tmp_path):
 
     io.write_checkpoint(unflatten_tree(swapped), TINY, tmp_path / "m.safetensors")
     assert_trees_bit_identical(io.read_checkpoint(tmp_path / "m.safetensors").params, params)
+
+
+@pytest.mark.parametrize("rows, cols", [(1000, 37), (33, 500), (4096, 8), (31, 9)])
+def test_banded_transpose_and_cast(rows, cols):
+    from convert import plan
+
+    source = np.random.default_rng(rows).standard_normal((rows, cols)).astype(ml_dtypes.bfloat16)
+    out = np.empty((cols, rows), ml_dtypes.bfloat16)
+    plan.copy_into(out, source, transpose=True)
+    np.testing.assert_array_equal(out.view(np.uint16), source.T.view(np.uint16))
+    widened = np.empty((cols, rows), np.float32)  # a cast on the way
+    plan.copy_into(widened, source, transpose=True)
+    np.testing.assert_array_equal(widened, source.T.astype(np.float32))
