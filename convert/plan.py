@@ -132,7 +132,7 @@ class Planned:
         if not self.transpose and source.dtype == self.dtype and source.flags.c_contiguous and source.shape == band:
             return source  # already laid out as the file wants it
         out = scratch(1, math.prod(band) * self.dtype.itemsize).view(self.dtype).reshape(band)
-        copy_into(out, source, self.transpose)
+        copy_into(out, source, self.transpose, lambda n: scratch(0, n))
         return out
 
     def array(self) -> np.ndarray:
@@ -244,16 +244,42 @@ def _ranges(indices: list[int]) -> str:
 # Source rows copied per step of a transpose: 16 sequential read streams and 32-64 byte writes per output row
 # stay in cache; numpy's own `a.T.copy()` strides across a whole column per element and is ~4x slower.
 _TRANSPOSE_BAND = 16
+# 2-byte values (float16/bfloat16) move 4 at a time: rows of uint64 are transposed (8 rows per step, 128 rows
+# per block through a small buffer), then each uint64 is split back into its 4 values. Measured on the
+# benchmark CPU: 2048x2048 float16 3.0 GB/s against 1.6 for the plain bands; (2048, 512) 2.7 against 3.6,
+# hence only for rows of >= 1024 values. float32 gained nothing consistent.
+_WIDE_MIN_COLS, _WIDE_BAND, _WIDE_ROWS = 1024, 8, 128
 
 
-def copy_into(out: np.ndarray, source: np.ndarray, transpose: bool = False) -> None:
-    """out[...] = source (or source.T), cast to out's dtype (round to nearest even, overflow gives Inf)."""
+def copy_into(out: np.ndarray, source: np.ndarray, transpose: bool = False,
+              scratch: Callable[[int], np.ndarray] | None = None) -> None:
+    """out[...] = source (or source.T), cast to out's dtype (round to nearest even, overflow gives Inf).
+
+    scratch(nbytes): a reusable uint8 buffer for the 2-byte transpose (default: fresh memory)."""
     with np.errstate(over="ignore", invalid="ignore"):  # overflow to Inf is reported by the finite check
-        if transpose and source.ndim == 2 and source.shape[0] >= 2 * _TRANSPOSE_BAND:
+        if not (transpose and source.ndim == 2 and source.shape[0] >= 2 * _TRANSPOSE_BAND):
+            np.copyto(out, source.T if transpose else source, casting="unsafe")
+        elif source.itemsize == 2 and source.shape[1] % 4 == 0 and source.shape[1] >= _WIDE_MIN_COLS \
+                and source.flags.c_contiguous:
+            _transpose_wide(out, source, scratch or (lambda n: np.empty(n, np.uint8)))
+        else:
             for i in range(0, source.shape[0], _TRANSPOSE_BAND):
                 np.copyto(out[:, i:i + _TRANSPOSE_BAND], source[i:i + _TRANSPOSE_BAND].T, casting="unsafe")
-        else:
-            np.copyto(out, source.T if transpose else source, casting="unsafe")
+
+
+def _transpose_wide(out: np.ndarray, source: np.ndarray, scratch: Callable[[int], np.ndarray]) -> None:
+    """out = source.T for 2-byte values, 4 neighbours of a source row moving together as one uint64."""
+    R, C = source.shape
+    wide = source.view(np.uint64)  # (R, C/4): wide[r, c] holds source[r, 4c:4c+4]
+    block = scratch(C * _WIDE_ROWS * 2).view(np.uint64)
+    out4 = out.reshape(C // 4, 4, R)  # out4[c, j, r] = out[4c + j, r] = source[r, 4c + j]
+    for r0 in range(0, R, _WIDE_ROWS):
+        n = min(_WIDE_ROWS, R - r0)
+        t = block[: C // 4 * n].reshape(C // 4, n)  # t[c, r] = wide[r0 + r, c]
+        for i in range(0, n, _WIDE_BAND):
+            np.copyto(t[:, i:i + _WIDE_BAND], wide[r0 + i:r0 + min(i + _WIDE_BAND, n)].T)
+        values = t.view(source.dtype).reshape(C // 4, n, 4)  # values[c, r, j] = source[r0 + r, 4c + j]
+        np.copyto(out4[:, :, r0:r0 + n], values.transpose(0, 2, 1), casting="unsafe")
 
 
 def _out_dtype(source: Source, name: str, cast: np.dtype | None) -> np.dtype:

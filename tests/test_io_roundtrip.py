@@ -493,14 +493,17 @@ def test_big_endian_arrays_in_memory_are_written_as_numbers_not_bytes(tmp_path):
     assert_trees_bit_identical(io.read_checkpoint(tmp_path / "m.safetensors").params, params)
 
 
-@pytest.mark.parametrize("rows, cols", [(1000, 37), (33, 500), (4096, 8), (31, 9)])
-def test_banded_transpose_and_cast(rows, cols):
+# (rows, cols): plain bands, tiny (one copy), and the 4-at-a-time path for 2-byte rows of >= 1024 values, with
+# row counts that are not multiples of its 8-row steps or 128-row blocks.
+@pytest.mark.parametrize("rows, cols", [(1000, 37), (33, 500), (4096, 8), (31, 9), (133, 1024), (300, 2048)])
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32])
+def test_transposes_and_casts_are_exact(rows, cols, dtype):
     from convert import plan
 
-    source = np.random.default_rng(rows).standard_normal((rows, cols)).astype(ml_dtypes.bfloat16)
-    out = np.empty((cols, rows), ml_dtypes.bfloat16)
+    source = np.random.default_rng(rows).standard_normal((rows, cols)).astype(dtype)
+    out = np.empty((cols, rows), dtype)
     plan.copy_into(out, source, transpose=True)
-    np.testing.assert_array_equal(out.view(np.uint16), source.T.view(np.uint16))
-    widened = np.empty((cols, rows), np.float32)  # a cast on the way
-    plan.copy_into(widened, source, transpose=True)
-    np.testing.assert_array_equal(widened, source.T.astype(np.float32))
+    np.testing.assert_array_equal(out.view(f"u{out.itemsize}"), source.T.view(f"u{out.itemsize}"))
+    widened = np.empty((cols, rows), np.float64)  # a cast on the way
+    plan.copy_into(widened, source, transpose=True, scratch=lambda n: np.empty(n, np.uint8))
+    np.testing.assert_array_equal(widened, source.T.astype(np.float64))
