@@ -110,8 +110,8 @@ class Planned:
         A part is a piece (a layer), or a band of at most PART_BYTES of an untransposed file-backed piece
         (an embedding is 100+ MB: bands keep the buffers small and let the writer start early). Parts are
         independent, so writers may make several at once. A part is a read-only view of the source file's
-        mapped pages when nothing changes, else made in scratch(1, nbytes), a reusable uint8 buffer valid
-        until it is lent again.
+        mapped pages when nothing changes, else made in scratch(1, nbytes) (scratch(0, ...) is a transpose's
+        working block): reusable uint8 buffers, the part valid until they are lent again.
         """
         shape = self.shape[1:] if self.stacked else self.shape
         nbytes = math.prod(shape) * self.dtype.itemsize

@@ -195,8 +195,9 @@ def _reserve(fd: int, total: int) -> None:
 
 
 class _Lane:
-    """A pair of growable buffers one part is read and transposed in; reused from part to part, so the
-    writer never touches fresh memory (first touches of new pages are what cost most on a VM)."""
+    """A pair of growable buffers one part is made in (slot 1: the part, slot 0: a transpose's working block);
+    reused from part to part, so no fresh memory is touched per part (first touches of new pages are what
+    cost most on a VM)."""
 
     def __init__(self) -> None:
         self.buffers = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
