@@ -99,7 +99,7 @@ def generate(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None
     tokens as they are produced. return_logits: also return the logits each step chose from (before
     suppression). Runs in the model's dtype and on its device.
     compile: run each decoder step and its greedy choice as one torch.compile graph with fixed shapes
-    (attends over the whole cache under a mask). At batch <= 4 the step's products are written as
+    (attends over the whole cache under a mask). On CPU at batch <= 4 the step's products are written as
     reductions (needle_torch.model.REDUCE_MAX_ROWS) that inductor fuses into a few passes reading every
     weight once in its own dtype. Compiles once per (batch, source length, max_new_tokens, dtype): 15-30 s
     on 2 CPU cores the first time, seconds when inductor's disk cache hits. At the published size, batch 1,

@@ -195,13 +195,15 @@ def test_products_as_reductions_equal_matmul(dtype):
 def test_reduction_form_only_under_compile_and_for_few_rows():
     from needle_torch.model import REDUCE_MAX_ROWS, as_reduction
 
-    assert not as_reduction(1)  # eager keeps BLAS / oneDNN
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not as_reduction(1, cpu)  # eager keeps BLAS / oneDNN
 
     def probe(x):
-        return x + (1 if as_reduction(REDUCE_MAX_ROWS) else 0) + (10 if as_reduction(REDUCE_MAX_ROWS + 1) else 0)
+        return (x + (1 if as_reduction(REDUCE_MAX_ROWS, cpu) else 0) + (10 if as_reduction(REDUCE_MAX_ROWS + 1, cpu)
+                else 0) + (100 if as_reduction(1, cuda) else 0))
 
     out = torch.compile(probe, backend="eager", fullgraph=True)(torch.zeros(()))
-    assert float(out) == 1.0
+    assert float(out) == 1.0  # only the few-row CPU product
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
