@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,8 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 # is >= the exponent bits exactly when it is Inf or NaN.
 _EXPONENT_MASK = {"float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80),
                   "float32": (np.uint32, 0x7F800000), "float64": (np.uint64, 0x7FF0000000000000)}
-# Elements checked per step: bounds the one temporary of the bit test (8 MiB for float16).
-_FINITE_BLOCK = 1 << 22
+# Elements checked per step: a block (512 KiB of float16) stays in cache between the two reductions.
+_FINITE_BLOCK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -126,32 +125,21 @@ def weight_dtype(name: str) -> np.dtype:
 
 
 def is_finite(array: np.ndarray) -> bool:
-    """True when no element is NaN or +-Inf; a bit test on the exponent, block by block (no float temporaries)."""
+    """True when no element is NaN or +-Inf: two integer max reductions over the bit patterns, block by block.
+
+    A positive value is Inf/NaN exactly when its pattern, read as a signed integer, is >= the exponent bits;
+    a negative one when its pattern, read unsigned, is >= sign | exponent. No temporaries at all (~40x faster
+    than np.isfinite on float16), and each block is still in cache for the second reduction.
+    """
     name = dtype_name(array.dtype)
     if name not in _EXPONENT_MASK:
         return array.dtype.kind not in "fc" or bool(np.isfinite(array).all())
     uint, exponent = _EXPONENT_MASK[name]
     flat = np.ascontiguousarray(array).reshape(-1).view(uint)
-    no_sign = uint(np.iinfo(uint).max >> 1)
-    buf = _scratch(min(flat.size, _FINITE_BLOCK) * flat.itemsize).view(uint)
-    # An integer AND and a max reduction: ~20x faster than np.isfinite on float16, no float temporaries.
+    signed = flat.view(f"i{flat.itemsize}")
+    negative_limit = uint(exponent | (1 << (8 * flat.itemsize - 1)))
     for start in range(0, flat.size, _FINITE_BLOCK):
-        block = flat[start:start + _FINITE_BLOCK]
-        magnitude = np.bitwise_and(block, no_sign, out=buf[:block.size])
-        if magnitude.max() >= exponent:
+        if signed[start:start + _FINITE_BLOCK].max() >= exponent or flat[start:start + _FINITE_BLOCK].max() >= \
+                negative_limit:
             return False
     return True
-
-
-class _Scratch(threading.local):
-    """A per-thread buffer reused across calls: no fresh (page-faulting) memory per tensor checked."""
-
-    buffer = np.empty(0, np.uint8)
-
-    def __call__(self, nbytes: int) -> np.ndarray:
-        if self.buffer.size < nbytes:
-            self.buffer = np.empty(max(nbytes, 1 << 20), np.uint8)
-        return self.buffer[:nbytes]
-
-
-_scratch = _Scratch()
