@@ -124,7 +124,8 @@ def generate(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None
             if t == 0:
                 return step(*args)  # guarded call: compiles, or picks the graph for these shapes and dtype
             # Later steps repeat step 0's call with the same model, cache and shapes: skip re-checking its
-            # ~200 tensor guards (a third of a step's time at batch 1); diff guards still pick the graph.
+            # ~200 tensor guards (0.28 ms of a 3 ms step at batch 1; 0.07 ms with the skip). Diff guards still pick
+            # the graph.
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return step(*args)
     else:
