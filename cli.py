@@ -204,6 +204,7 @@ def _overrides(profile, rtol, atol, kl_max, grad_rtol):
     return Overrides(profile=profile, rtol=rtol, atol=atol, kl_max=kl_max, grad_rtol=grad_rtol)
 
 
+_QUIET = typer.Option("--quiet", "-q", help="Print only the verdict line.")
 _PROFILE = typer.Option("--profile", help="Tolerance profile by name, e.g. bfloat16-cpu, float32-gpu "
                                           "(default: from --dtype and the devices).", rich_help_panel=_TOL)
 _RTOL = typer.Option("--rtol", help="Override the rel L2 and max/max|ref| budgets of every probe.",
@@ -253,7 +254,7 @@ def parity_command(
     suppress_special: Annotated[Optional[bool], typer.Option(
         "--suppress-special/--allow-special", help="Keep greedy generation off ids 0..5 (default: only for the "
                                                    "embedded random model, which would stop at EOS at once).")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the verdict line.")] = False,
+    quiet: Annotated[bool, _QUIET] = False,
     profile: Annotated[Optional[str], _PROFILE] = None,
     rtol: Annotated[Optional[float], _RTOL] = None,
     atol: Annotated[Optional[float], _ATOL] = None,
@@ -296,7 +297,7 @@ def rescore_command(
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the re-scored JSON report here.")] = None,
     html_path: Annotated[Optional[str], typer.Option("--html", help="Write a re-scored HTML report here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing report files.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the verdict line.")] = False,
+    quiet: Annotated[bool, _QUIET] = False,
     profile: Annotated[Optional[str], _PROFILE] = None,
     rtol: Annotated[Optional[float], _RTOL] = None,
     atol: Annotated[Optional[float], _ATOL] = None,

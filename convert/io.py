@@ -25,7 +25,7 @@ import numpy as np
 
 from convert import atomic, plan
 from convert.config import TransformerConfig
-from convert.errors import CheckpointError, ConfigError, NeedleTwinError
+from convert.errors import CheckpointError, ConfigError, ConfigMismatchError, NeedleTwinError, one_line
 from convert.mapping import flatten_tree, unflatten_tree
 from convert.source import FLAX, TORCH, Source
 from convert.tensors import TensorRef, is_finite, weight_dtype
@@ -141,10 +141,10 @@ def resolve_config(source: Source, config: TransformerConfig | Mapping[str, Any]
         return stored
     given = config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)
     if stored is not None and stored != given:
-        diff = [f"{k}: stored {v!r}, given {given.to_dict()[k]!r}" for k, v in stored.to_dict().items()
-                if given.to_dict()[k] != v]
-        raise ConfigError(f"the config given contradicts the one in {source.config_origin}: {'; '.join(diff)}; "
-                          "drop --config or fix it")
+        fields = {k: (v, given.to_dict()[k]) for k, v in stored.to_dict().items() if given.to_dict()[k] != v}
+        diff = "; ".join(f"{k}: stored {a!r}, given {b!r}" for k, (a, b) in fields.items())
+        raise ConfigMismatchError(f"the config given contradicts the one in {source.config_origin}: {diff}; "
+                                  "drop --config or fix it", fields)
     return given
 
 
@@ -166,7 +166,7 @@ def load_config_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not a readable JSON config ({' '.join(str(e).split())}); fix the file") from None
+        raise ConfigError(f"{path}: not a readable JSON config ({one_line(e)}); fix the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a JSON object of fields, got {type(data).__name__}")
     return data
@@ -360,7 +360,7 @@ def _write(fmt: str, source: Source, config: TransformerConfig, cast: np.dtype |
 
 
 class _FiniteChecker:
-    """Records the tensors that hold NaN/Inf (called from the writer threads, each tensor once)."""
+    """Records the tensors that hold NaN/Inf (called from the writer threads, once per part of a tensor)."""
 
     def __init__(self, bad: list[str]) -> None:
         self.bad, self._lock = bad, threading.Lock()

@@ -272,11 +272,11 @@ def random_flax_params(config: TransformerConfig, seed: int = 0, dtype: str = "f
 
 
 def np_dtype(name: str) -> np.dtype:
-    """numpy dtype for "float32" / "bfloat16" / "float16" (bfloat16 via ml_dtypes)."""
-    if name == "bfloat16":
+    """numpy dtype for "float32", "bfloat16", "float16", ... (bfloat16 and float8 kinds via ml_dtypes)."""
+    if name.startswith(("bfloat16", "float8")):
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
 
 

@@ -92,20 +92,15 @@ class Planned:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def fill(self, out: np.ndarray) -> None:
-        """Write the tensor into `out` (self.shape, self.dtype)."""
+        """Write the tensor into `out` (self.shape, self.dtype), copying from the (mapped) pieces once."""
         if self.stacked:
             for i, piece in enumerate(self.pieces):
-                copy_into(out[i, ...], piece.load(), self.transpose)
+                copy_into(out[i, ...], piece.read(), self.transpose)
         else:
-            copy_into(out, self.pieces[0].load(), self.transpose)
+            copy_into(out, self.pieces[0].read(), self.transpose)
 
-    def parts(self, scratch: Callable[[int, int], np.ndarray]) -> Iterator[tuple[int, np.ndarray]]:
-        """(byte offset within the tensor, C-contiguous array) per part, in file order (see `jobs`)."""
-        for at, make in self.jobs():
-            yield at, make(scratch)
-
-    def jobs(self) -> Iterator[tuple[int, Callable[[Callable[[int, int], np.ndarray]], np.ndarray]]]:
-        """(byte offset within the tensor, make(scratch) -> C-contiguous array) per part, in file order.
+    def jobs(self) -> Iterator[Callable[[Callable[[int, int], np.ndarray]], np.ndarray]]:
+        """make(scratch) -> C-contiguous array, per part of the tensor, in file order.
 
         A part is a piece (a layer), or a band of at most PART_BYTES of an untransposed file-backed piece
         (an embedding is 100+ MB: bands keep the buffers small and let the writer start early). Parts are
@@ -115,15 +110,14 @@ class Planned:
         """
         shape = self.shape[1:] if self.stacked else self.shape
         nbytes = math.prod(shape) * self.dtype.itemsize
-        for i, piece in enumerate(self.pieces):
+        for piece in self.pieces:
             if self.transpose or len(shape) < 1 or piece.ref.span is None or nbytes <= PART_BYTES:
                 bands = [(0, None)]
             else:
                 rows = max(1, PART_BYTES // max(1, nbytes // shape[0]))
                 bands = [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
             for start, stop in bands:
-                at = i * nbytes + (0 if stop is None else start * (nbytes // shape[0]))
-                yield at, partial(self._make_part, piece, start, stop, shape)
+                yield partial(self._make_part, piece, start, stop, shape)
 
     def _make_part(self, piece: Piece, start: int, stop: int | None, shape: tuple[int, ...],
                    scratch: Callable[[int, int], np.ndarray]) -> np.ndarray:
@@ -141,6 +135,9 @@ class Planned:
             source = self.pieces[0].load()
             if source.dtype == self.dtype and source.flags.c_contiguous and source.shape == self.shape:
                 return source
+            out = np.empty(self.shape, self.dtype)
+            copy_into(out, source)  # a cast: from the copy already read
+            return out
         out = np.empty(self.shape, self.dtype)
         self.fill(out)
         return out

@@ -28,8 +28,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from convert.errors import CheckpointError
-from convert.tensors import read_span
+from convert.errors import CheckpointError, one_line
+from convert.tensors import load_span
 
 # Array dtypes we rebuild: booleans and numbers. Object/structured dtypes would let a
 # pickle smuggle arbitrary objects through numpy's own unpickling, so they are refused.
@@ -101,8 +101,7 @@ class FileArray:
     fortran: bool
 
     def load(self) -> np.ndarray:
-        flat = np.empty(math.prod(self.shape), self.dtype)
-        read_span(self.path, self.offset, flat)
+        flat = load_span(self.path, self.offset, (math.prod(self.shape),), self.dtype)
         return _native(flat.reshape(self.shape, order="F" if self.fortran else "C"))
 
 
@@ -295,7 +294,7 @@ def _unpickle(unpickler: SafeUnpickler, what: str) -> Any:
         raise CheckpointError(f"{what}: the pickle is empty or truncated; re-copy or re-save the file") from None
     except (pickle.UnpicklingError, ValueError, TypeError, IndexError, KeyError, AttributeError,
             MemoryError, OverflowError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{what}: not a valid pickle ({type(e).__name__}: {_one_line(e)}); "
+        raise CheckpointError(f"{what}: not a valid pickle ({type(e).__name__}: {one_line(e)}); "
                               "re-copy or re-save the file") from None
 
 
@@ -312,10 +311,6 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(_plain(v) for v in obj)
     return obj
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:200]
 
 
 # ----------------------------------------------------------------------------- mapped loading

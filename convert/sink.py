@@ -3,9 +3,9 @@
 Every format we write is laid out up front: headers are small and computed first, and each
 tensor's place in the file is known from its shape. So the file is reserved in full
 (posix_fallocate: a full disk fails here, cleanly, not halfway through) and then written
-front to back, while the next tensor parts (layers, or bands of rows) are read, transposed,
-cast and checked on two worker threads (numpy copies, pread and pwrite drop the GIL). Parts
-go through a few reused buffers, never fresh memory.
+front to back, while the next tensor parts (layers, or bands of rows) are mapped from the
+source, transposed, cast and checked on two worker threads (numpy copies and pwrite drop the
+GIL). A part that changes is made in a few reused buffers, never fresh memory.
 
 The bytes go out through `SequentialFile`: gathered into one reused, page-aligned block and
 written with O_DIRECT where the filesystem allows it, so they go from our buffer to the
@@ -60,13 +60,10 @@ class Segments:
 
 
 def write_file(path: Path, segments: Sequence[Segment], *, on_bytes: Callable[[int], None] | None = None,
-               check: Callable[[str, np.ndarray], None] | None = None, pipeline: bool = True,
-               direct: bool = True) -> None:
-    """Create path (it must not exist) with the segments in order; `check` sees every tensor part written.
-
-    direct: try O_DIRECT (silently buffered where the filesystem or platform has none)."""
+               check: Callable[[str, np.ndarray], None] | None = None, pipeline: bool = True) -> None:
+    """Create path (it must not exist) with the segments in order; `check` sees every tensor part written."""
     total = sum(len(s) if isinstance(s, bytes) else s.nbytes for s in segments)
-    with SequentialFile(path, total, direct=direct) as out:
+    with SequentialFile(path, total) as out:
         _stream(out, segments, on_bytes, check, pipeline)
 
 
@@ -74,12 +71,12 @@ class SequentialFile:
     """A new file written front to back: appended bytes are gathered into aligned blocks, each written (with
     O_DIRECT when available) on a writer thread while the next fills; the padded last block is cut back."""
 
-    def __init__(self, path: Path, total: int, direct: bool = True) -> None:
+    def __init__(self, path: Path, total: int) -> None:
         self.path, self.total = path, total
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _reserve(self.fd, total)
-            self.direct = direct and _enable_direct(self.fd)
+            self.direct = _set_direct(self.fd, True)  # False where the filesystem or platform has none
         except BaseException:
             os.close(self.fd)
             raise
@@ -125,7 +122,7 @@ class SequentialFile:
             except OSError as e:
                 if not (self.direct and e.errno == errno.EINVAL):
                     raise
-                self.direct = _disable_direct(self.fd)  # the filesystem took O_DIRECT at open but not here
+                self.direct = _set_direct(self.fd, False)  # the filesystem took O_DIRECT at open, not here
                 continue
             data, at = data[n:], at + n
 
@@ -135,7 +132,8 @@ class SequentialFile:
                 self._writes[i] = None
                 write.result()
 
-    def close(self) -> None:
+    def finish(self) -> None:
+        """Write what is gathered (the last block padded for O_DIRECT, then cut back) and check the size."""
         if self.appended != self.total:
             raise AssertionError(f"{self.path}: {self.appended} bytes written, {self.total} planned")
         self._drain()
@@ -154,7 +152,7 @@ class SequentialFile:
     def __exit__(self, kind, value, tb) -> None:
         try:
             if kind is None:
-                self.close()
+                self.finish()
         finally:
             self._writer.shutdown(wait=True)  # a write in flight finishes before its block and fd go
             os.close(self.fd)
@@ -163,24 +161,19 @@ class SequentialFile:
                 m.close()
 
 
-def _enable_direct(fd: int) -> bool:
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for fd; returns whether it is on."""
     flag = getattr(os, "O_DIRECT", 0)  # Linux, FreeBSD; not macOS or Windows
     if not flag:
         return False
-    try:
-        import fcntl
-
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | flag)
-        return True
-    except OSError:  # e.g. tmpfs: EINVAL
-        return False
-
-
-def _disable_direct(fd: int) -> bool:
     import fcntl
 
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0))
-    return False
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | flag if on else flags & ~flag)
+        return on
+    except OSError:  # e.g. tmpfs refuses O_DIRECT: EINVAL
+        return False
 
 
 def _reserve(fd: int, total: int) -> None:
@@ -218,54 +211,54 @@ def _make(name: str, make: Callable[[_Lane], np.ndarray], lane: _Lane,
 
 def _stream(out: SequentialFile, segments: Sequence[Segment], on_bytes: Callable[[int], None] | None,
             check: Callable[[str, np.ndarray], None] | None, pipeline: bool) -> None:
-    """Make the tensor parts (read, transpose, cast, check) and append them with the byte segments, in file
-    order. With `pipeline`, _WORKERS threads make the parts ahead of the writes (numpy copies and preads
-    drop the GIL), each in its own lane; the calling thread writes them as they complete, in order."""
-    items: list = []  # ("bytes", data) | ("part", name, make) | ("done", nbytes), in file order
+    """Make the tensor parts (map, transpose, cast, check) and append them with the byte segments, in file
+    order. With `pipeline`, _WORKERS threads make the parts ahead of the writes (numpy copies drop the GIL),
+    each in its own lane; the calling thread appends them as they complete, in order."""
+    # In file order: bytes to append, (name, make) for a part, or an int: a tensor's size, done.
+    items: list[bytes | int | tuple] = []
     for segment in segments:
         if isinstance(segment, bytes):
-            items.append(("bytes", segment))
+            items.append(segment)
         else:
-            items += [("part", segment.name, make) for _, make in segment.jobs()]
-            items.append(("done", segment.nbytes))
+            items += [(segment.name, make) for make in segment.jobs()]
+            items.append(segment.nbytes)
     if not pipeline:
         lane = _Lane()
         for item in items:
-            _consume(out, item if item[0] != "part" else ("made", _make(item[1], item[2], lane, check)), on_bytes)
+            _emit(out, _make(*item, lane, check) if isinstance(item, tuple) else item, on_bytes)
         return
     free = [_Lane() for _ in range(_LANES)]
-    pending: deque = deque()  # items submitted, in file order; parts as (future, lane)
+    pending: deque = deque()  # the items in file order, parts as (future, lane)
     with ThreadPoolExecutor(_WORKERS, thread_name_prefix="needle-twin-part") as pool:
         try:
             for item in items:
-                if item[0] == "part":
+                if isinstance(item, tuple):
                     while not free:  # every lane holds a part in flight: write the oldest out first
-                        _consume_pending(out, pending, free, on_bytes)
+                        _emit_pending(out, pending, free, on_bytes)
                     lane = free.pop()
-                    pending.append(("future", pool.submit(_make, item[1], item[2], lane, check), lane))
-                else:
-                    pending.append(item)
+                    item = (pool.submit(_make, *item, lane, check), lane)
+                pending.append(item)
             while pending:
-                _consume_pending(out, pending, free, on_bytes)
+                _emit_pending(out, pending, free, on_bytes)
         finally:
             for item in pending:  # on an error: don't start parts nobody will write
-                if item[0] == "future":
-                    item[1].cancel()
+                if isinstance(item, tuple):
+                    item[0].cancel()
 
 
-def _consume_pending(out: SequentialFile, pending: deque, free: list, on_bytes) -> None:
+def _emit_pending(out: SequentialFile, pending: deque, free: list, on_bytes) -> None:
     item = pending.popleft()
-    if item[0] == "future":
-        _, future, lane = item
-        _consume(out, ("made", future.result()), on_bytes)
+    if isinstance(item, tuple):
+        future, lane = item
+        _emit(out, future.result(), on_bytes)
         free.append(lane)
     else:
-        _consume(out, item, on_bytes)
+        _emit(out, item, on_bytes)
 
 
-def _consume(out: SequentialFile, item: tuple, on_bytes: Callable[[int], None] | None) -> None:
-    if item[0] == "done":
+def _emit(out: SequentialFile, item: bytes | np.ndarray | int, on_bytes: Callable[[int], None] | None) -> None:
+    if isinstance(item, int):
         if on_bytes is not None:
-            on_bytes(item[1])
-    else:  # "bytes" or "made"
-        out.append(item[1])
+            on_bytes(item)
+    else:
+        out.append(item)

@@ -30,7 +30,7 @@ class TensorRef:
     """One array of a checkpoint: shape and dtype known up front, data read only by `load()`.
 
     `span` = (file, byte offset) when the array's C-order, native-endian bytes lie in a file as they
-    are: writers then read exactly the slices they need straight into reused buffers.
+    are: writers then map exactly the slices they need (tensors.map_span), never the whole file.
     """
 
     shape: tuple[int, ...]
@@ -50,12 +50,7 @@ class TensorRef:
     def in_file(cls, path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> TensorRef:
         """Raw C-order bytes at `offset` of `path`, read on demand."""
 
-        def read() -> np.ndarray:
-            out = np.empty(shape, dtype)
-            read_span(path, offset, out)
-            return out
-
-        return cls(tuple(shape), np.dtype(dtype), read, (Path(path), offset))
+        return cls(tuple(shape), np.dtype(dtype), lambda: load_span(path, offset, shape, dtype), (Path(path), offset))
 
     @property
     def size(self) -> int:
@@ -71,23 +66,6 @@ class TensorRef:
             raise CheckpointError(f"tensor data is {array.dtype}{list(array.shape)}, header says "
                                   f"{self.dtype}{list(self.shape)}; the file is corrupt")
         return array
-
-
-def read_span(path: Path, offset: int, out: np.ndarray) -> None:
-    """Fill the C-contiguous `out` with out.nbytes bytes of path from offset (pread: no mapping, no page faults
-    on our side; the kernel copies from its page cache)."""
-    view = memoryview(out.reshape(-1).view(np.uint8))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
-                raise CheckpointError(f"{path}: truncated: {len(view) - got} bytes missing at byte {offset + got}; "
-                                      "the file changed or is damaged")
-            got += n
-    finally:
-        os.close(fd)
 
 
 def map_span(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -110,6 +88,11 @@ def map_span(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         mapped = mmap.mmap(f.fileno(), offset + nbytes - start, offset=start, access=mmap.ACCESS_READ)
     return np.frombuffer(mapped, np.uint8, nbytes, offset - start).view(dtype).reshape(shape)
+
+
+def load_span(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The span of `map_span` as an array of its own (copied out of the mapping, which then goes)."""
+    return np.array(map_span(path, offset, shape, dtype))
 
 
 def dtype_name(dtype: np.dtype) -> str:

@@ -111,7 +111,7 @@ def generate(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None
                                        suppress_tokens)
     L = int(max_new_tokens)
     encoder_out, _ = model.encode(src, src_mask)  # (B, S, D)
-    cache = model.new_cache(encoder_out, L)  # cross K/V projected here, once
+    cache = model.new_cache(encoder_out, L, compiled=compile)  # cross K/V projected here, once
     suppress_ids = torch.tensor(suppress, dtype=torch.long, device=model.device) if suppress else None
 
     if compile:

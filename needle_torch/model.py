@@ -32,9 +32,14 @@ from convert.config import TransformerConfig
 REDUCE_MAX_ROWS = 4
 
 
+def reduces_when_compiled(rows: int, device: torch.device) -> bool:
+    """Whether a compiled product with `rows` rows on `device` is written as a multiply-and-sum (CPU, few rows)."""
+    return device.type == "cpu" and rows <= REDUCE_MAX_ROWS
+
+
 def as_reduction(rows: int, device: torch.device) -> bool:
-    """Whether a product with `rows` rows on `device` is written as a multiply-and-sum (compiled, CPU, few rows)."""
-    return torch.compiler.is_compiling() and device.type == "cpu" and rows <= REDUCE_MAX_ROWS
+    """Whether a product with `rows` rows on `device` is written as a multiply-and-sum here (compiling)."""
+    return torch.compiler.is_compiling() and reduces_when_compiled(rows, device)
 
 
 def matmul_nt(a: Tensor, b: Tensor, dtype: torch.dtype, reduce: bool = False) -> Tensor:
@@ -448,8 +453,11 @@ class SimpleAttentionNetwork(nn.Module):
 
     # ------------------------------------------------------------------ cached decoding
 
-    def new_cache(self, encoder_out: Tensor, max_len: int) -> DecoderCache:
-        """Empty float32 self-attention buffers for max_len positions and cross K/V projected once."""
+    def new_cache(self, encoder_out: Tensor, max_len: int, compiled: bool = False) -> DecoderCache:
+        """Empty float32 self-attention buffers for max_len positions and cross K/V projected once.
+
+        compiled: the steps will run under torch.compile; when their logits read the embedding in place
+        (reduces_when_compiled), no float32 copy of it is made."""
         B, cfg = encoder_out.shape[0], self.config
         shape = (B, cfg.num_kv_heads, max_len, cfg.head_dim)
         layers = [
@@ -460,7 +468,8 @@ class SimpleAttentionNetwork(nn.Module):
         # float32 (p @ v runs in float32), so keeping it upcast is exact; K stays in the compute dtype (q k^T).
         cross = [(k.contiguous(), v.float().contiguous())
                  for k, v in (layer.cross_attn.project_kv(encoder_out) for layer in self.decoder.layers)]
-        return DecoderCache(layers, cross, self._rope(max_len), self.embedding.weight.float())
+        in_place = compiled and reduces_when_compiled(B, self.device)
+        return DecoderCache(layers, cross, self._rope(max_len), None if in_place else self.embedding.weight.float())
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache, cache_pos: int | Tensor,
                     self_mask: Tensor | None = None, cross_mask: Tensor | None = None) -> Tensor:

@@ -70,7 +70,7 @@ def save_pretrained(model: SimpleAttentionNetwork, path: str | Path, *, force: b
                     max_shard_size: int | str | None = None) -> Path:
     """Write a .safetensors file (path ends in .safetensors) or an HF-style directory; atomic, no overwrite
     without force."""
-    fmt = infer_write_format(path, "torch")
+    fmt = infer_write_format(path)
     if fmt not in (SAFETENSORS, HF_DIR):
         raise CheckpointError(f"save_pretrained writes .safetensors or a directory, not {Path(path).name!r}")
     return write_source(state_source(model), model.config, path, format=fmt, force=force,

@@ -25,7 +25,7 @@ from convert.config import (
     UNK_ID,
     TransformerConfig,
 )
-from convert.errors import ConfigError, NeedleTwinError
+from convert.errors import ConfigError, ConfigMismatchError, NeedleTwinError
 from parity_tests.report import Report, render_html, to_json
 
 EMBEDDED_MODEL_SEED = 0  # the embedded default: random_flax_params(NEEDLE_V1_PUBLISHED, seed=0)
@@ -80,27 +80,16 @@ def load_models(flax_ckpt: str | None, torch_ckpt: str | None):
             "source": "checkpoint, converted to torch in memory"}
     if torch_ckpt is None:
         return flax.config, flax.params, None, info
-    other = _read_with_config(torch_ckpt, flax.config)
-    if other.config != flax.config:
-        theirs = other.config.to_dict()
-        diff = "; ".join(f"{k}: {v!r} vs {theirs[k]!r}" for k, v in flax.config.to_dict().items() if theirs[k] != v)
+    # A file without a config of its own takes the Flax one; one whose config differs is refused.
+    try:
+        other = read_checkpoint(torch_ckpt, flax.config)
+    except ConfigMismatchError as e:  # stored: the torch file's; given: the Flax one's
+        diff = "; ".join(f"{k}: {flax_v!r} vs {torch_v!r}" for k, (torch_v, flax_v) in e.fields.items())
         raise ConfigError(f"--torch {torch_ckpt} has a different config from {flax_ckpt} ({diff}); "
-                          "compare checkpoints of the same model")
+                          "compare checkpoints of the same model") from None
     info.update(torch_checkpoint=str(torch_ckpt), torch_format=other.format,
                 source="two checkpoints: the torch file checked against the Flax one")
     return flax.config, flax.params, other.params, info
-
-
-def _read_with_config(path: str, config: TransformerConfig):
-    """A checkpoint with its own config (stored, or a config.json beside it); one that carries none gets `config`."""
-    from convert.io import open_source, read_checkpoint, resolve_config
-
-    try:
-        resolve_config(open_source(path))
-        own = True
-    except ConfigError:
-        own = False  # carries none (an invalid stored config fails again, loudly, in read_checkpoint)
-    return read_checkpoint(path, None if own else config)
 
 
 def make_batch(config: TransformerConfig, *, inputs: str | None, tokenizer: str | None, queries: Sequence[str],

@@ -119,7 +119,8 @@ def torch_capture(model, table: list[Probe], substitute: Mapping[str, Any] | Non
 
     def hook_for(probe: Probe):
         def hook(module, args, output):
-            captured.setdefault(probe.name, _output_tensor(output).detach().clone())
+            if probe.name not in captured:  # no clone on a later pass: its value is not kept
+                captured[probe.name] = _output_tensor(output).detach().clone()
             if substitute is not None and probe.boundary and probe.name in substitute:
                 return substitute[probe.name]
             return None

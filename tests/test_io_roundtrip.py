@@ -77,7 +77,7 @@ def test_byte_identical_through_small_bands_and_write_blocks(tmp_path, monkeypat
     monkeypatch.setattr(plan, "PART_BYTES", 300)  # the (256, 64) f32 embedding: 1 row per band, 256 bands
     monkeypatch.setattr(sink, "_BLOCK", 2 * sink._ALIGN)  # ~120 KB fixture: dozens of blocks
     if not direct:
-        monkeypatch.setattr(sink, "_enable_direct", lambda fd: False)
+        monkeypatch.setattr(sink, "_set_direct", lambda fd, on: False)
     src = io.open_source(FIXTURE_PKL)
     for name in ("m.safetensors", "m.msgpack"):
         io.write_source(src, io.resolve_config(src), tmp_path / name)

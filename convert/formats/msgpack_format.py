@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from convert import sink
-from convert.errors import CheckpointError
+from convert.errors import CheckpointError, one_line
 from convert.formats.upstream_pickle import plain_config
 from convert.mapping import flatten_tree, np_dtype, unflatten_tree
 from convert.plan import Planned
@@ -42,7 +42,7 @@ def _array_from_ext(data: bytes) -> np.ndarray:
     name = name.decode("ascii", "replace") if isinstance(name, bytes) else str(name)
     if name not in _DTYPES:
         raise CheckpointError(f"array of dtype {name!r}; only numeric arrays are loaded")
-    dtype = np_dtype(name) if name in ("bfloat16", "float16", "float32") else np.dtype(name)
+    dtype = np_dtype(name)
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise CheckpointError(f"array shape {shape!r} is not a list of non-negative integers")
     count = int(np.prod(shape, dtype=np.int64))
@@ -99,7 +99,7 @@ def read(path: Path) -> Source:
     except msgpack.OutOfData:
         raise CheckpointError(f"{path}: truncated msgpack file; re-copy or re-save it") from None
     except (ValueError, TypeError, msgpack.UnpackException, MemoryError, OverflowError) as e:
-        detail = " ".join(str(e).split())[:160] or "nested too deeply or malformed"
+        detail = one_line(e, 160) or "nested too deeply or malformed"
         raise CheckpointError(f"{path}: not a valid flax msgpack file ({type(e).__name__}: {detail})") from None
     if trailing:
         raise CheckpointError(f"{path}: trailing data after the msgpack tree; the file is corrupt")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from convert.config import TransformerConfig
-from convert.errors import CheckpointError
+from convert.errors import CheckpointError, one_line
 from convert.mapping import flatten_tree, unflatten_tree
 from convert.source import FLAX, Source, file_sha256
 from convert.tensors import TensorRef
@@ -96,7 +96,7 @@ def read(path: Path) -> Source:
         raise
     except Exception as e:  # orbax/tensorstore raise many types for damaged files
         raise CheckpointError(f"{path}: cannot restore the Orbax checkpoint ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]}); is it complete and undamaged?") from None
+                              f"{one_line(e)}); is it complete and undamaged?") from None
     from convert.formats.msgpack_format import _split
 
     params, config = _split(_to_plain(tree), path)

@@ -3,8 +3,8 @@
 The format (huggingface/safetensors): an 8-byte little-endian header length N, N bytes
 of JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}},
 then the raw little-endian data. We implement it directly because safetensors.numpy has
-no bfloat16, and to control memory: tensors are read one at a time (a writer reads one
-layer at a time into a reused buffer), never the whole file (see convert.sink).
+no bfloat16, and to control memory: tensors are read one at a time (a writer maps one
+layer, or band of rows, at a time), never the whole file (see convert.sink).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from convert import sink
 from convert.config import TransformerConfig
-from convert.errors import CheckpointError, NeedleTwinError
+from convert.errors import CheckpointError, NeedleTwinError, one_line
 from convert.mapping import np_dtype
 from convert.source import TORCH, Source, file_sha256
 from convert.tensors import TensorRef, dtype_name
@@ -37,12 +37,7 @@ _NAMES = {v: k for k, v in _CODES.items()}
 
 
 def _numpy_dtype(code: str) -> np.dtype:
-    name = _CODES[code]
-    if name.startswith(("bfloat16", "float8")):
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
-    return np_dtype(name)
+    return np_dtype(_CODES[code])
 
 
 # ----------------------------------------------------------------------------- reading
@@ -68,8 +63,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str], int]:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {_short(e)}); the file is damaged") \
-            from None
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {one_line(e, 120)}); "
+                              "the file is damaged") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
     metadata = header.pop("__metadata__", None) or {}
@@ -304,5 +299,3 @@ def write_dir(path: Path, view: list, metadata: Mapping[str, str], config: Trans
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
-def _short(e: BaseException) -> str:
-    return " ".join(str(e).split())[:120]

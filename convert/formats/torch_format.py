@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from convert.errors import CheckpointError
+from convert.errors import CheckpointError, one_line
 from convert.formats.upstream_pickle import plain_config
 from convert.source import TORCH, Source, file_sha256
 from convert.tensors import TensorRef
@@ -27,7 +27,7 @@ def read(path: Path) -> Source:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError... for bad files
         raise CheckpointError(f"{path}: torch.load(weights_only=True) refused the file ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]})") from None
+                              f"{one_line(e)})") from None
     state, config = _split(obj, path)
     from convert.mapping import _torch_to_numpy
 
