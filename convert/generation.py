@@ -14,25 +14,58 @@ from convert.config import TransformerConfig
 from convert.errors import GenerationError
 
 
-def check_generate_args(config: TransformerConfig, src_shape: tuple[int, ...], max_new_tokens: int,
-                        eos_token_id: int, pad_token_id: int, suppress_tokens: Iterable[int] | None) -> tuple[int, ...]:
-    """Validate generation arguments; returns the suppressed ids as a sorted tuple (hashable: a jit static)."""
-    if len(src_shape) != 2 or src_shape[0] < 1 or src_shape[1] < 1:
+def check_generate_args(config: TransformerConfig, src, src_mask, max_new_tokens: int, eos_token_id: int,
+                        pad_token_id: int, suppress_tokens: Iterable[int] | None) -> np.ndarray | None:
+    """Validate generation arguments (src and src_mask: numpy, jax or torch arrays); returns the suppressed ids
+    as a bool (V,) mask, or None: one shape whatever the set, so a compiled loop never recompiles for it."""
+    shape = tuple(np.shape(src))
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
         raise GenerationError(f"src must be a (batch, length) array of token ids with both >= 1, got shape "
-                              f"{tuple(src_shape)}; add a batch axis for a single sequence")
+                              f"{shape}; add a batch axis for a single sequence")
+    V = config.vocab_size
+    if not hasattr(src, "min"):
+        src = np.asarray(src)
+    if str(src.dtype).removeprefix("torch.") not in _INT_DTYPES:
+        raise GenerationError(f"src holds {src.dtype} values; token ids must be integers")
+    if int(src.min()) < 0 or int(src.max()) >= V:
+        ids = np.asarray(src.cpu() if hasattr(src, "cpu") else src)
+        bad = sorted(set(ids[(ids < 0) | (ids >= V)].tolist()))
+        raise GenerationError(f"src has ids {bad[:5]} outside the model's vocabulary [0, {V}); is the tokenizer "
+                              "the one this model was trained with?")
+    if src_mask is not None:
+        B, S = shape
+        mask_shape = tuple(np.shape(src_mask))
+        if len(mask_shape) != 4 or mask_shape[0] not in (1, B) or mask_shape[1:3] != (1, 1) or mask_shape[3] != S:
+            raise GenerationError(f"src_mask must be (batch, 1, 1, {S}) like make_padding_mask(src) gives, got "
+                                  f"shape {mask_shape}")
+        if str(src_mask.dtype).removeprefix("torch.") not in ("bool", "bool_"):
+            raise GenerationError(f"src_mask holds {src_mask.dtype} values; it must be bool (True = attend), as "
+                                  "make_padding_mask(src) gives")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    V = config.vocab_size
     for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < V:
             raise GenerationError(f"{name}={value!r} is outside the vocabulary [0, {V}); use an id in that range")
-    suppress = tuple(sorted({int(t) for t in (suppress_tokens or ())}))
-    bad = [t for t in suppress if not 0 <= t < V]
+    if suppress_tokens is None:
+        ids = []
+    else:  # a list, range or set of ids, or a 1-d numpy / jax / torch array of them
+        ids = suppress_tokens.tolist() if hasattr(suppress_tokens, "tolist") else list(suppress_tokens)
+    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+        raise GenerationError(f"suppress_tokens must be integer token ids, got {suppress_tokens!r}")
+    ids = [int(t) for t in ids]
+    bad = sorted({t for t in ids if not 0 <= t < V})
     if bad:
         raise GenerationError(f"suppress_tokens {bad} are outside the vocabulary [0, {V}); drop them")
-    if len(suppress) >= V:
+    if not ids:
+        return None
+    suppress = np.zeros(V, dtype=bool)
+    suppress[ids] = True
+    if suppress.all():
         raise GenerationError(f"suppress_tokens covers all {V} ids, so no token can be chosen; suppress fewer ids")
     return suppress
+
+
+_INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "long", "int")
 
 
 def max_rel_error(actual, reference) -> float:
@@ -62,14 +95,6 @@ def parse_token_ids(text: str) -> list[int]:
     return ids
 
 
-def check_token_ids(ids: list[int], config: TransformerConfig, what: str) -> None:
-    """Every id must index the model's embedding."""
-    bad = sorted({i for i in ids if not 0 <= i < config.vocab_size})
-    if bad:
-        raise GenerationError(f"{what} has ids {bad[:5]} outside the model's vocabulary [0, {config.vocab_size}); "
-                              "is the tokenizer the one this model was trained with?")
-
-
 def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "torch", dtype: str | None = None,
                              max_new_tokens: int = 64, suppress_tokens: Iterable[int] | None = None,
                              streamer=None, compile: bool = False) -> list[int]:
@@ -90,7 +115,6 @@ def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "
     if dtype not in DTYPES:
         raise GenerationError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     config = checkpoint.config.replace(dtype=dtype)
-    check_token_ids(src_ids, config, "the encoder input")
     emit = None if streamer is None else (lambda step_tokens: streamer(int(step_tokens[0])))
     args = dict(max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, suppress_tokens=suppress_tokens,
                 pad_token_id=config.pad_token_id, streamer=emit)

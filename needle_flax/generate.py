@@ -30,7 +30,7 @@ Streamer = Callable[[np.ndarray], None]  # called with the (B,) int32 tokens of 
 
 # The compiled loop calls one fixed host function, which forwards to the streamer of the running
 # call: a new streamer does not mean a new compilation. XLA runs the callback on its own thread,
-# so this is a process-wide slot (not thread-local), held under a lock for the whole call.
+# so this is a process-wide slot (not thread-local), held under a lock for a streaming call.
 _stream_lock = threading.Lock()
 _current_streamer: Streamer | None = None
 
@@ -52,13 +52,9 @@ def _pick(logits, done, suppress, eos, pad):
 _pick_jit = jax.jit(_pick)
 
 
-def _suppress_mask(suppress: tuple[int, ...], vocab_size: int):
-    """bool (V,) or None: an array argument, so a new suppress set does not recompile the loop."""
-    if not suppress:
-        return None
-    mask = np.zeros(vocab_size, dtype=bool)
-    mask[list(suppress)] = True
-    return jnp.asarray(mask)
+def _suppress(mask: np.ndarray | None):
+    """The checked bool (V,) suppress mask as a device array (an argument: a new set never recompiles)."""
+    return None if mask is None else jnp.asarray(mask)
 
 
 # ----------------------------------------------------------------------------- cached (fast) path
@@ -124,21 +120,27 @@ def generate(model: SimpleAttentionNetwork, params, src, src_mask=None, max_new_
     (B,) tokens as they are produced. return_logits: also return the float32 logits each step chose from
     (before suppression).
     """
-    suppress = check_generate_args(model.config, np.shape(src), max_new_tokens, eos_token_id, pad_token_id,
-                                   suppress_tokens)
-    global _current_streamer
-    with _stream_lock:
-        _current_streamer = streamer
-        try:
-            out, steps, logits = _cached_loop(
-                params, jnp.asarray(src), src_mask, jnp.int32(eos_token_id), jnp.int32(pad_token_id),
-                _suppress_mask(suppress, model.config.vocab_size), model=model, max_new_tokens=int(max_new_tokens),
-                stream=streamer is not None, return_logits=return_logits)
-            steps = int(steps)  # waits for the loop, so every streamed step has been emitted
-            if streamer is not None:
+    suppress = _suppress(check_generate_args(model.config, src, src_mask, max_new_tokens, eos_token_id,
+                                             pad_token_id, suppress_tokens))
+
+    def run():
+        out, steps, logits = _cached_loop(
+            params, jnp.asarray(src), src_mask, jnp.int32(eos_token_id), jnp.int32(pad_token_id), suppress,
+            model=model, max_new_tokens=int(max_new_tokens), stream=streamer is not None,
+            return_logits=return_logits)
+        return out, int(steps), logits  # int(): waits for the loop, so every streamed step has been emitted
+
+    if streamer is None:  # the loop emits nothing: no need for the streamer slot
+        out, steps, logits = run()
+    else:
+        global _current_streamer
+        with _stream_lock:
+            _current_streamer = streamer
+            try:
+                out, steps, logits = run()
                 jax.effects_barrier()  # ordered callbacks have all run before the streamer slot is cleared
-        finally:
-            _current_streamer = None
+            finally:
+                _current_streamer = None
     tokens = out[:, : 1 + steps]
     return (tokens, logits[:, :steps]) if return_logits else tokens
 
@@ -163,14 +165,13 @@ def generate_recompute(model: SimpleAttentionNetwork, params, src, src_mask=None
                        eos_token_id: int = 1, suppress_tokens: Iterable[int] | None = None, pad_token_id: int = 0, *,
                        streamer: Streamer | None = None, return_logits: bool = False):
     """Upstream's greedy loop (full-buffer recompute every step); same contract and return as `generate`."""
-    suppress = check_generate_args(model.config, np.shape(src), max_new_tokens, eos_token_id, pad_token_id,
-                                   suppress_tokens)
+    suppress_mask = _suppress(check_generate_args(model.config, src, src_mask, max_new_tokens, eos_token_id,
+                                                  pad_token_id, suppress_tokens))
     encoder_out = encode(params, jnp.asarray(src), src_mask, model=model)
     B, L = np.shape(src)[0], int(max_new_tokens)
     buffer = np.full((B, L + 1), pad_token_id, np.int32)  # (B, 1+L): the fixed-length upstream buffer
     buffer[:, 0] = eos_token_id
     done = np.zeros(B, dtype=bool)
-    suppress_mask = _suppress_mask(suppress, model.config.vocab_size)
     eos, pad = jnp.int32(eos_token_id), jnp.int32(pad_token_id)
     step_logits = []
     for t in range(L):

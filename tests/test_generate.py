@@ -250,7 +250,7 @@ def test_suppressed_tokens_are_never_chosen(f32, fixture, which):
 def test_pick_rule_on_handmade_logits():
     logits = torch.tensor([[0.0, 5.0, 1.0, 1.0], [3.0, 1.0, 2.0, 2.0], [0.0, 9.0, 0.0, 0.0]])
     done = torch.tensor([False, False, True])
-    nxt, now_done = pick(logits, done, torch.tensor([0]), eos=1, pad=3)
+    nxt, now_done = pick(logits, done, torch.tensor([True, False, False, False]), eos=1, pad=3)
     assert nxt.tolist() == [1, 2, 3]  # row 0 picks EOS; row 1: 0 suppressed, tie 2/3 -> first; row 2 done -> pad
     assert now_done.tolist() == [True, False, True]
 
@@ -296,10 +296,44 @@ def _compilations(caplog, name: str) -> int:
     (dict(suppress_tokens=range(512)), "no token can be chosen"),
     (dict(eos_token_id=-1), "eos_token_id"),
     (dict(pad_token_id=10_000), "pad_token_id"),
+    (dict(suppress_tokens=[2.5]), "integer token ids"),
+    (dict(src=np.full((3, 16), 512)), r"src has ids \[512\] outside the model's vocabulary"),
+    (dict(src=np.full((3, 16), 7.0)), "token ids must be integers"),
+    (dict(src_mask=np.ones((3, 16), bool)), r"src_mask must be \(batch, 1, 1, 16\)"),
+    (dict(src_mask=np.ones((3, 1, 1, 16), np.int32)), "must be bool"),
 ])
 def test_bad_arguments_name_the_problem(f32, fixture, backend, bad, message):
+    """Both twins check through convert.generation: the same one-line message, before any model work."""
+    bad = dict(bad)
+    src, mask = bad.pop("src", fixture["src"]), bad.pop("src_mask", None)
+    kw = {"max_new_tokens": 3, **bad}
     with pytest.raises(GenerationError, match=message):
-        f32.run(f"{backend}-cached", fixture["src"], **{"max_new_tokens": 3, **bad})
+        if backend == "torch":
+            torch_generate(f32.torch_model, torch.from_numpy(src), None if mask is None else torch.from_numpy(mask),
+                           **kw)
+        else:
+            flax_generate(f32.flax_model, f32.flax_params, jnp.asarray(src), mask, **kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", "flax"])
+def test_suppress_tokens_as_arrays_equal_lists(f32, fixture, backend):
+    kw = dict(max_new_tokens=4, masked=True)
+    as_list = f32.run(f"{backend}-cached", fixture["src"], suppress_tokens=[0, 2, 3, 7], **kw)
+    as_array = f32.run(f"{backend}-cached", fixture["src"], suppress_tokens=np.array([0, 2, 3, 7]), **kw)
+    np.testing.assert_array_equal(as_array, as_list)
+
+
+def test_torch_generation_runs_in_eval_mode_and_restores_the_mode():
+    """Flax generation is deterministic; so is torch's, even on a model left in training mode (dropout 0.5)."""
+    config = TransformerConfig(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, num_encoder_layers=1,
+                               num_decoder_layers=1, dropout_rate=0.5, max_seq_len=32)
+    model = TorchModel.from_flax(random_flax_params(config, seed=3), config, dtype=torch.float32)
+    src = torch.from_numpy(_random_src(config, [9, 5])).long()
+    expected = torch_generate(model, src, max_new_tokens=6, suppress_tokens=SPECIAL)
+    model.train()
+    for generate in (torch_generate, torch_recompute):
+        torch.testing.assert_close(generate(model, src, max_new_tokens=6, suppress_tokens=SPECIAL), expected)
+        assert model.training
 
 
 @pytest.mark.parametrize("backend", ["torch", "flax"])
@@ -345,3 +379,26 @@ def test_torch_compiled_generation_matches_eager_and_compiles_one_graph(f32, fix
     np.testing.assert_array_equal(tokens.numpy(), fixture["f32/greedy_tokens"])
     assert max_rel_error(logits, fixture["f32/greedy_step_logits"]) <= F32_REL
     assert again.shape == tokens.shape and not torch.equal(again, tokens)
+
+
+@pytest.mark.slow
+def test_compiled_generation_past_the_recompile_limit_runs_eagerly(f32, fixture, monkeypatch):
+    """A process that has compiled too many variants (new lengths, say) still generates: eagerly, same tokens."""
+    import importlib
+
+    gen = importlib.import_module("needle_torch.generate")
+    eager_steps, real = [], gen._step_and_pick
+
+    def spy(model, tokens, cache, pos, *rest):
+        if isinstance(pos, int):  # the eager fallback passes int positions; compiled steps 0-d tensors
+            eager_steps.append(pos)
+        return real(model, tokens, cache, pos, *rest)
+
+    monkeypatch.setattr(gen, "_step_and_pick", spy)
+    src = torch.from_numpy(fixture["src"]).long()
+    mask = torch_padding_mask(src)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for steps in (3, 4, 5):  # three cache lengths: three graphs wanted, one allowed
+            compiled = torch_generate(f32.torch_model, src, mask, steps, suppress_tokens=SPECIAL, compile=True)
+            np.testing.assert_array_equal(compiled.numpy(), fixture["f32/greedy_tokens"][:, : 1 + steps])
+    assert eager_steps, "the limit was never reached, so the fallback went untested"
