@@ -34,10 +34,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from convert.config import NEEDLE_V1_PUBLISHED, TransformerConfig  # noqa: E402
+from convert.config import FIRST_PLAIN_ID, NEEDLE_V1_PUBLISHED, SPECIAL_IDS, TransformerConfig  # noqa: E402
 from convert.mapping import np_dtype, random_flax_params  # noqa: E402
 
-SUPPRESS = tuple(range(6))  # PAD EOS BOS UNK <tool_call> <tools>: no early stop on random weights
+SUPPRESS = SPECIAL_IDS  # PAD EOS BOS UNK <tool_call> <tools>: no early stop on random weights
 
 
 def best_of(fn, repeats: int) -> float:
@@ -96,7 +96,7 @@ def bench_case(dtype: str, batch: int, args, bandwidth: float) -> list[str]:
     tree = random_flax_params(cfg, seed=0, dtype=dtype)
     flax_model, params = FlaxModel(cfg), jax.tree.map(jnp.asarray, tree)
     torch_model = TorchModel.from_flax(tree, cfg, dtype=getattr(torch, dtype))
-    src_np = np.random.default_rng(1).integers(6, cfg.vocab_size, (batch, args.src_len)).astype(np.int32)
+    src_np = np.random.default_rng(1).integers(FIRST_PLAIN_ID, cfg.vocab_size, (batch, args.src_len)).astype(np.int32)
     src_j, src_t = jnp.asarray(src_np), torch.from_numpy(src_np).long()
     L = args.new_tokens
     kw = dict(max_new_tokens=L, suppress_tokens=SUPPRESS)

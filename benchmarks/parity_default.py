@@ -31,7 +31,7 @@ class Clock:
 def main() -> None:
     clock = Clock()
     clock.lap("import jax, flax, torch", lambda: (__import__("jax"), __import__("flax"), __import__("torch")))
-    from convert.config import NEEDLE_V1_PUBLISHED
+    from convert.config import NEEDLE_V1_PUBLISHED, SPECIAL_IDS
     from convert.mapping import random_flax_params
     from parity_tests.engine import build_twins, flax_run, generation_section, pinned_precision, torch_run
     from parity_tests.gradients import gradient_parity
@@ -45,7 +45,7 @@ def main() -> None:
         clock.lap("Flax forward (compile + run)", lambda: flax_run(twins, batch))
         clock.lap("torch forward with hooks", lambda: torch_run(twins, batch))
         clock.lap("gradients (both, Flax compile)", lambda: gradient_parity(twins, batch))
-        clock.lap("greedy generation, 8 steps", lambda: generation_section(twins, batch, 8, range(6)))
+        clock.lap("greedy generation, 8 steps", lambda: generation_section(twins, batch, 8, SPECIAL_IDS))
 
     wall = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "cli", "parity", "--quiet"], cwd=REPO, capture_output=True,

@@ -18,6 +18,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 # Special token ids (upstream tokenizer).
 PAD_ID, EOS_ID, BOS_ID, UNK_ID, TOOL_CALL_ID, TOOLS_ID = 0, 1, 2, 3, 4, 5
+SPECIAL_IDS = (PAD_ID, EOS_ID, BOS_ID, UNK_ID, TOOL_CALL_ID, TOOLS_ID)
+FIRST_PLAIN_ID = len(SPECIAL_IDS)  # the first id of an ordinary piece
 
 
 @dataclass(frozen=True)

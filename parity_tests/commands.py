@@ -14,22 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from convert import atomic
-from convert.config import (
-    BOS_ID,
-    DTYPES,
-    EOS_ID,
-    NEEDLE_V1_PUBLISHED,
-    PAD_ID,
-    TOOL_CALL_ID,
-    TOOLS_ID,
-    UNK_ID,
-    TransformerConfig,
-)
+from convert.config import DTYPES, NEEDLE_V1_PUBLISHED, SPECIAL_IDS, TransformerConfig
 from convert.errors import ConfigError, ConfigMismatchError, NeedleTwinError
 from parity_tests.report import Report, render_html, to_json
 
 EMBEDDED_MODEL_SEED = 0  # the embedded default: random_flax_params(NEEDLE_V1_PUBLISHED, seed=0)
-SPECIAL_IDS = (PAD_ID, EOS_ID, BOS_ID, UNK_ID, TOOL_CALL_ID, TOOLS_ID)
 
 
 @dataclass(frozen=True)

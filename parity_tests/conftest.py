@@ -1,4 +1,4 @@
-"""Parity-suite fixtures: devices (CPU always, accelerators where present), the upstream fixture, tiny configs."""
+"""Parity-suite fixtures: devices (CPU always, accelerators where present) and the upstream fixture files."""
 
 from __future__ import annotations
 
@@ -30,18 +30,14 @@ DEVICES = {
 
 
 def _missing(device: Device) -> str | None:
-    """Why this machine cannot run `device`, or None when it can."""
-    import jax
-    import torch
+    """Why this machine cannot run `device` (the engine's own device checks), or None when it can."""
+    from parity_tests.engine import DeviceError, jax_device, torch_device
 
-    if device.torch == "cuda" and not torch.cuda.is_available():
-        return f"torch {torch.__version__} sees no CUDA device"
-    if device.jax != "cpu":
-        try:
-            jax.devices(device.jax)
-        except RuntimeError:
-            seen = ", ".join(sorted({d.platform for d in jax.devices()}))
-            return f"JAX sees no {device.jax} device (only {seen})"
+    try:
+        torch_device(device.torch)
+        jax_device(device.jax)
+    except DeviceError as e:
+        return str(e)
     return None
 
 

@@ -14,10 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from convert.config import EOS_ID, TransformerConfig
+from convert.config import EOS_ID, FIRST_PLAIN_ID, TransformerConfig
 from convert.errors import NeedleTwinError
-
-FIRST_PLAIN_ID = 6  # ids 0..5 are PAD, EOS, BOS, UNK, <tool_call>, <tools>
 
 
 class InputError(NeedleTwinError, ValueError):

@@ -2,41 +2,33 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from convert.io import read_checkpoint
+from convert.config import SPECIAL_IDS
 from needle_flax.model import SimpleAttentionNetwork as FlaxModel
 from needle_flax.model import make_padding_mask
 from needle_torch.model import SimpleAttentionNetwork as TorchModel
+from parity_tests.engine import pinned_precision
 from parity_tests.generation import first_diff_step, generation_parity
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
-SPECIAL = range(6)  # the fixtures' greedy loop never chose ids 0..5
+SPECIAL = SPECIAL_IDS  # the fixtures' greedy loop never chose ids 0..5
 F32_REL = 1e-5  # float32 twins of one function: ~5e-7 seen on these fixtures
 
 
 @pytest.fixture(scope="module")
-def f32_twins():
-    jax.config.update("jax_default_matmul_precision", "highest")
-    torch.set_float32_matmul_precision("highest")
+def f32_twins(fixture_checkpoint):
+    ckpt = fixture_checkpoint
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: on shared cores a second thread only waits for the first
-    ckpt = read_checkpoint(DATA / "needle-v1-tiny.pkl")
     config = ckpt.config.replace(dtype="float32")
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ckpt.params)
-    yield FlaxModel(config), params, lambda: TorchModel.from_flax(ckpt.params, config, dtype=torch.float32)
+    with pinned_precision():  # restored afterwards
+        yield FlaxModel(config), params, lambda: TorchModel.from_flax(ckpt.params, config, dtype=torch.float32)
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def golden():
-    return np.load(DATA / "needle-v1-tiny.npz")
 
 
 def test_fixture_generation_section_is_identical_within_float32(f32_twins, golden):

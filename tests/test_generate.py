@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from convert.config import TransformerConfig
+from convert.config import FIRST_PLAIN_ID, SPECIAL_IDS, TransformerConfig
 from convert.errors import GenerationError
 from convert.generation import max_rel_error
 from convert.mapping import random_flax_params
@@ -24,7 +24,7 @@ from needle_torch.generate import pick
 from needle_torch.model import SimpleAttentionNetwork as TorchModel
 from needle_torch.model import make_padding_mask as torch_padding_mask
 
-SPECIAL = tuple(range(6))  # PAD EOS BOS UNK <tool_call> <tools>: the fixtures' greedy loop never chose these
+SPECIAL = SPECIAL_IDS  # PAD EOS BOS UNK <tool_call> <tools>: the fixtures' greedy loop never chose these
 F32_REL = 1e-5  # float32 twins of one function: ~5e-7 seen; 1e-5 is the project's float32 logits budget
 # bf16: 8-bit mantissa (unit roundoff 3.9e-3); through 2+2 layers the twins' bf16 logits sit up to ~1.3e-2
 # (relative to max |logit|) from upstream's eagerly computed bf16 goldens, so 3e-2 bounds it with margin.
@@ -152,7 +152,7 @@ def _random_src(config: TransformerConfig, lengths: list[int], seed: int = 0) ->
     rng = np.random.default_rng(seed)
     src = np.zeros((len(lengths), max(lengths)), np.int32)
     for i, n in enumerate(lengths):
-        src[i, :n] = rng.integers(6, config.vocab_size, n)
+        src[i, :n] = rng.integers(FIRST_PLAIN_ID, config.vocab_size, n)
     return src
 
 

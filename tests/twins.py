@@ -9,7 +9,7 @@ import torch
 
 import needle_flax
 import needle_torch
-from convert.config import TransformerConfig
+from convert.config import FIRST_PLAIN_ID, TransformerConfig
 from convert.mapping import np_dtype
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,7 +34,7 @@ def padded_tokens(rng: np.random.Generator, lengths, T: int, vocab: int) -> np.n
     """Right-padded (B, T) int32 tokens; ids drawn from 6..vocab-1 so no special id appears mid-row."""
     out = np.zeros((len(lengths), T), np.int32)
     for b, n in enumerate(lengths):
-        out[b, :n] = rng.integers(6, vocab, n)
+        out[b, :n] = rng.integers(FIRST_PLAIN_ID, vocab, n)
     return out
 
 
