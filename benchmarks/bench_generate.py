@@ -95,7 +95,7 @@ def bench_case(dtype: str, batch: int, args, bandwidth: float) -> list[str]:
     cfg = NEEDLE_V1_PUBLISHED.replace(dtype=dtype)
     tree = random_flax_params(cfg, seed=0, dtype=dtype)
     flax_model, params = FlaxModel(cfg), jax.tree.map(jnp.asarray, tree)
-    torch_model = TorchModel.from_flax(tree, cfg, dtype=getattr(torch, dtype))
+    torch_model = TorchModel.from_flax(tree, cfg, dtype=dtype)
     src_np = np.random.default_rng(1).integers(FIRST_PLAIN_ID, cfg.vocab_size, (batch, args.src_len)).astype(np.int32)
     src_j, src_t = jnp.asarray(src_np), torch.from_numpy(src_np).long()
     L = args.new_tokens

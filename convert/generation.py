@@ -125,7 +125,7 @@ def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "
 
         if dtype == "float32":
             torch.set_float32_matmul_precision("highest")
-        model = SimpleAttentionNetwork.from_flax(checkpoint.params, config, dtype=getattr(torch, dtype))
+        model = SimpleAttentionNetwork.from_flax(checkpoint.params, config, dtype=dtype)
         tokens = model.generate(torch.tensor([src_ids], dtype=torch.long), None, **args, compile=compile)
     else:
         import jax

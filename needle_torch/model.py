@@ -21,6 +21,9 @@ from torch import Tensor, nn
 
 from convert.config import TransformerConfig
 
+# The compute dtypes by name (convert.config.DTYPES).
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 # ----------------------------------------------------------------------------- products
 
 # Under torch.compile on CPU, a product with at most this many rows (a decode step's few tokens) is written
@@ -403,14 +406,16 @@ class SimpleAttentionNetwork(nn.Module):
                 p.zero_()
 
     @classmethod
-    def from_flax(cls, params, config: TransformerConfig, dtype: torch.dtype | None = None) -> SimpleAttentionNetwork:
-        """Build from a Flax param tree through convert.mapping; keeps the tree's dtype unless `dtype` is given."""
+    def from_flax(cls, params, config: TransformerConfig, dtype: torch.dtype | str | None = None,
+                  ) -> SimpleAttentionNetwork:
+        """Build from a Flax param tree through convert.mapping; keeps the tree's dtype unless `dtype` (a torch
+        dtype or its name, e.g. "bfloat16") is given."""
         from convert.mapping import flax_to_torch
 
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(flax_to_torch(params, config), strict=True, assign=True)
-        return model.eval() if dtype is None else model.to(dtype).eval()
+        return model.eval() if dtype is None else model.to(TORCH_DTYPES.get(dtype, dtype)).eval()
 
     @property
     def dtype(self) -> torch.dtype:

@@ -19,11 +19,12 @@ from convert.io import HF_DIR, SAFETENSORS, infer_write_format, open_source, res
 from convert.mapping import _torch_to_numpy, numpy_to_torch
 from convert.source import TORCH, Source
 from convert.tensors import TensorRef, is_finite, weight_dtype
+from needle_torch.model import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from needle_torch.model import SimpleAttentionNetwork
 
-_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_TORCH_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:

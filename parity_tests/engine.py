@@ -147,7 +147,6 @@ def build_twins(config: TransformerConfig, flax_params: Mapping[str, Any], dtype
                 jax_platform: str = "cpu") -> Twins:
     """Flax twin from `flax_params`, torch twin from `torch_params` (default: the same tree), both in `dtype`."""
     import jax
-    import torch
 
     import needle_flax
     import needle_torch
@@ -156,8 +155,7 @@ def build_twins(config: TransformerConfig, flax_params: Mapping[str, Any], dtype
     cfg = config.replace(dtype=dtype)
     flax_tree = cast_tree(flax_params, dtype)
     torch_tree = flax_tree if torch_params is None else cast_tree(torch_params, dtype)
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    tmodel = needle_torch.SimpleAttentionNetwork.from_flax(torch_tree, cfg, tdtype).to(tdev).eval()
+    tmodel = needle_torch.SimpleAttentionNetwork.from_flax(torch_tree, cfg, dtype).to(tdev).eval()
     params = jax.device_put(flax_tree, jdev)
     return Twins(cfg, needle_flax.SimpleAttentionNetwork(cfg), params, tmodel, jdev, tdev)
 

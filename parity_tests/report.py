@@ -339,7 +339,7 @@ svg text{font:10px ui-monospace,Menlo,Consolas,monospace;fill:#1d232a}
 """
 
 
-def _max_rel(m: Mapping[str, Any]) -> float | None:
+def max_rel(m: Mapping[str, Any]) -> float | None:
     """max_abs as a fraction of the reference's largest magnitude (what the max budget scales by)."""
     mx, ref = m.get("max_abs"), m.get("ref_max_abs")
     if mx is None or ref is None:
@@ -357,7 +357,7 @@ def error_plot_svg(report: Report) -> str:
     height = top + 260 + bottom
     plot_h = 260
     series = {"rel_l2": [p.metrics.get("rel_l2") for p in report.probes],
-              "max_rel": [_max_rel(p.metrics) for p in report.probes]}
+              "max_rel": [max_rel(p.metrics) for p in report.probes]}
     finite = [v for vals in series.values() for v in vals if v is not None and math.isfinite(v) and v > 0]
     lo = math.floor(math.log10(min([*finite, budget.rel_l2, budget.max_rel]))) - 1
     hi = math.ceil(math.log10(max([*finite, budget.rel_l2, budget.max_rel]))) + 1

@@ -19,7 +19,7 @@ from convert.errors import NeedleTwinError
 from convert.mapping import random_flax_params
 from parity_tests.engine import DeviceError, jax_device, run_parity, torch_device
 from parity_tests.inputs import random_batch
-from parity_tests.report import verdict_line
+from parity_tests.report import max_rel, verdict_line
 from parity_tests.tolerances import get_profile
 
 F32_PROMISE = 1e-5  # README: float32 twins agree to 1e-5 relative, probe by probe and gradient by gradient
@@ -42,10 +42,6 @@ def _run(ckpt_or_cfg, batch, device, **kw):
     return run_parity(cfg, params, batch, torch_device_name=device.torch, jax_platform=device.jax, **kw)
 
 
-def _max_rel(m):
-    return m["max_abs"] / m["ref_max_abs"] if m["ref_max_abs"] else m["max_abs"]
-
-
 # ----------------------------------------------------------------------------- float32
 
 
@@ -56,7 +52,7 @@ def test_float32_fixture_within_1e_5_everywhere(device, mode, fixture_checkpoint
     assert report.passed and report.first_divergence is None
     for p in report.probes:
         assert p.metrics["rel_l2"] <= F32_PROMISE, p.name
-        assert _max_rel(p.metrics) <= F32_PROMISE, p.name
+        assert max_rel(p.metrics) <= F32_PROMISE, p.name
     logits = next(p for p in report.probes if p.name == "logits")
     assert logits.metrics["top1"] == 1.0
     if mode == "propagated":

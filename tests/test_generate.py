@@ -62,7 +62,7 @@ class Twins:
         self.config = config.replace(dtype=dtype)
         self.flax_model = FlaxModel(self.config)
         self.flax_params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)  # upstream casts every param
-        self.torch_model = TorchModel.from_flax(params, self.config, dtype=getattr(torch, dtype))
+        self.torch_model = TorchModel.from_flax(params, self.config, dtype=dtype)
 
     def run(self, which: str, src: np.ndarray, masked: bool = True, **kw):
         """which: torch-cached/-compiled/-recompute, flax-cached/-recompute; returns numpy (tokens, logits?)."""

@@ -10,18 +10,15 @@ import torch
 import needle_flax
 import needle_torch
 from convert.config import FIRST_PLAIN_ID, TransformerConfig
+from convert.generation import max_rel_error
 from convert.mapping import np_dtype
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from needle_torch.model import TORCH_DTYPES
 
 
 def rel_err(actual, expected) -> float:
-    """max |a - b| / max |b|: error relative to the tensor's scale."""
-    a = np.asarray(actual, dtype=np.float64)
-    b = np.asarray(expected, dtype=np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert np.isfinite(a).all(), "non-finite values"
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+    """max |a - b| / max |b| (convert.generation.max_rel_error), once `actual` is known to be finite."""
+    assert np.isfinite(np.asarray(actual, dtype=np.float64)).all(), "non-finite values"
+    return max_rel_error(actual, expected)
 
 
 def to_np(x) -> np.ndarray:
