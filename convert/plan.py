@@ -33,7 +33,10 @@ from convert.source import FLAX, TORCH, Source
 from convert.tensors import WEIGHT_DTYPES, TensorRef, dtype_name, map_span
 
 EMBEDDING = {FLAX: "embedding/embedding", TORCH: "embedding.weight"}
-PART_BYTES = 16 * 2**20  # largest band of rows a writer reads at once from an untransposed file-backed tensor
+PART_BYTES = 8 * 2**20  # largest band of rows a writer makes at once
+# A transpose's band of output rows reads a band of source columns: strided rows, measured ~1.5x the CPU of a
+# whole 2048x2048 float16 piece. So pieces are transposed whole up to this size (32 MiB: 4096x4096 float16).
+TRANSPOSE_PART_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Planned:
 
     With `stacked`, piece i becomes out[i] (layers stacked on a new leading axis); otherwise the single
     piece is the whole tensor. `transpose` flips each piece's two axes (Dense kernel (in, out) <-> Linear
-    weight (out, in)). Nothing is read until `parts`, `fill` or `array`.
+    weight (out, in)). Nothing is read until a part is made (`jobs`), `fill` or `array`.
     """
 
     name: str
@@ -99,34 +102,35 @@ class Planned:
         else:
             copy_into(out, self.pieces[0].read(), self.transpose)
 
-    def jobs(self) -> Iterator[Callable[[Callable[[int, int], np.ndarray]], np.ndarray]]:
-        """make(scratch) -> C-contiguous array, per part of the tensor, in file order.
+    def jobs(self) -> Iterator[tuple[int, Callable[[np.ndarray, Callable[[int], np.ndarray]], np.ndarray]]]:
+        """(nbytes, make) per part of the tensor, in file order; make(dest, scratch) writes the part into dest
+        (nbytes of uint8) and returns it there as an array of self.dtype.
 
-        A part is a piece (a layer), or a band of at most PART_BYTES of an untransposed file-backed piece
-        (an embedding is 100+ MB: bands keep the buffers small and let the writer start early). Parts are
-        independent, so writers may make several at once. A part is a read-only view of the source file's
-        mapped pages when nothing changes, else made in scratch(1, nbytes) (scratch(0, ...) is a transpose's
-        working block): reusable uint8 buffers, the part valid until they are lent again.
+        A part is a piece (a layer) or a band of at most PART_BYTES of its rows (an embedding is 100+ MB:
+        bands keep the writer's buffers small and let it start early). Parts are independent, so writers may
+        make several at once. scratch(nbytes) lends a transpose its working block (a reusable uint8 buffer).
         """
         shape = self.shape[1:] if self.stacked else self.shape
         nbytes = math.prod(shape) * self.dtype.itemsize
         for piece in self.pieces:
-            if self.transpose or len(shape) < 1 or piece.ref.span is None or nbytes <= PART_BYTES:
+            limit = TRANSPOSE_PART_BYTES if self.transpose else PART_BYTES
+            if len(shape) < 1 or nbytes <= limit:
                 bands = [(0, None)]
             else:
-                rows = max(1, PART_BYTES // max(1, nbytes // shape[0]))
+                rows = max(1, limit // max(1, nbytes // shape[0]))
                 bands = [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
             for start, stop in bands:
-                yield partial(self._make_part, piece, start, stop, shape)
+                band = shape if stop is None else (stop - start, *shape[1:])
+                yield math.prod(band) * self.dtype.itemsize, partial(self._make_part, piece, start, stop, band)
 
-    def _make_part(self, piece: Piece, start: int, stop: int | None, shape: tuple[int, ...],
-                   scratch: Callable[[int, int], np.ndarray]) -> np.ndarray:
-        source = piece.read(start, stop)
-        band = shape if stop is None else (stop - start, *shape[1:])
-        if not self.transpose and source.dtype == self.dtype and source.flags.c_contiguous and source.shape == band:
-            return source  # already laid out as the file wants it
-        out = scratch(1, math.prod(band) * self.dtype.itemsize).view(self.dtype).reshape(band)
-        copy_into(out, source, self.transpose, lambda n: scratch(0, n))
+    def _make_part(self, piece: Piece, start: int, stop: int | None, band: tuple[int, ...], dest: np.ndarray,
+                   scratch: Callable[[int], np.ndarray]) -> np.ndarray:
+        out = dest.view(self.dtype).reshape(band)
+        if self.transpose:  # rows start:stop of source.T are its last axis' start:stop
+            source = piece.read() if stop is None else piece.read()[..., start:stop]
+        else:
+            source = piece.read(start, stop)
+        copy_into(out, source, self.transpose, scratch)
         return out
 
     def array(self) -> np.ndarray:
@@ -257,7 +261,7 @@ def copy_into(out: np.ndarray, source: np.ndarray, transpose: bool = False,
         if not (transpose and source.ndim == 2 and source.shape[0] >= 2 * _TRANSPOSE_BAND):
             np.copyto(out, source.T if transpose else source, casting="unsafe")
         elif source.itemsize == 2 and source.shape[1] % 4 == 0 and source.shape[1] >= _WIDE_MIN_COLS \
-                and source.flags.c_contiguous:
+                and source.strides[1] == 2:
             _transpose_wide(out, source, scratch or (lambda n: np.empty(n, np.uint8)))
         else:
             for i in range(0, source.shape[0], _TRANSPOSE_BAND):

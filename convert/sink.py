@@ -3,22 +3,23 @@
 Every format we write is laid out up front: headers are small and computed first, and each
 tensor's place in the file is known from its shape. So the file is reserved in full
 (posix_fallocate: a full disk fails here, cleanly, not halfway through) and then written
-front to back, while the next tensor parts (layers, or bands of rows) are mapped from the
-source, transposed, cast and checked on two worker threads (numpy copies and pwrite drop the
-GIL). A part that changes is made in a few reused buffers, never fresh memory.
-
-The bytes go out through `SequentialFile`: gathered into one reused, page-aligned block and
-written with O_DIRECT where the filesystem allows it, so they go from our buffer to the
-device without a page-cache copy. On the benchmark VM that made writing a 2.55 GB file
-4-6x faster (page-cache pages for a new file cost a host page fault each) and takes no
-page cache from the user's other files.
+front to back through `SequentialFile`, a ring of page-aligned blocks: the tensor parts
+(layers, or bands of rows) are mapped from the source and transposed, cast or copied by two
+worker threads straight into their place in the ring (numpy copies drop the GIL), and each
+block, once complete, is written with O_DIRECT where the filesystem allows it, so the bytes
+go from the ring to the device with no further copy. On the benchmark VM that made writing a
+2.55 GB file 4-6x faster than through the page cache (page-cache pages for a new file cost a
+host page fault each) and takes no page cache from the user's other files.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
+import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,9 +30,11 @@ import numpy as np
 from convert.plan import Planned
 
 Segment = bytes | Planned
-_WORKERS = 2  # threads making parts (on 2 cores: the writer mostly waits on the disk)
-_LANES = 4  # parts in flight: being made, made and waiting, being written
-_BLOCK = 32 * 2**20  # bytes per write; a multiple of every device block size O_DIRECT may require
+Check = Callable[[str, np.ndarray], None]
+_WORKERS = 2  # threads making parts (on 2 cores: the writer thread mostly waits on the disk)
+_BLOCK = 8 * 2**20  # bytes per write; a multiple of every device block size O_DIRECT may require
+_BLOCKS = 6  # blocks in the ring: one being written, the others being filled by parts made ahead
+_NICE = 10  # worker threads' priority below the hash thread's
 _ALIGN = 4096  # O_DIRECT alignment of offsets and lengths (the largest common logical block size)
 
 
@@ -60,18 +63,21 @@ class Segments:
 
 
 def write_file(path: Path, segments: Sequence[Segment], *, on_bytes: Callable[[int], None] | None = None,
-               check: Callable[[str, np.ndarray], None] | None = None, pipeline: bool = True) -> None:
+               check: Check | None = None, pipeline: bool = True) -> None:
     """Create path (it must not exist) with the segments in order; `check` sees every tensor part written."""
-    total = sum(len(s) if isinstance(s, bytes) else s.nbytes for s in segments)
-    with SequentialFile(path, total) as out:
-        _stream(out, segments, on_bytes, check, pipeline)
+    items = _layout(segments)
+    total = sum(n for _, n, _ in items)
+    largest = max((n for _, n, _ in items), default=0)
+    with SequentialFile(path, total, largest) as out:
+        _stream(out, items, on_bytes, check, pipeline)
 
 
 class SequentialFile:
-    """A new file written front to back: appended bytes are gathered into aligned blocks, each written (with
-    O_DIRECT when available) on a writer thread while the next fills; the padded last block is cut back."""
+    """A new file written front to back from a ring: file byte o lives at ring[o % ring size] from when it is
+    put there until its block is written (with O_DIRECT when available, on a writer thread). Blocks go out in
+    file order, each once every byte of it is in place; the padded last block is cut back afterwards."""
 
-    def __init__(self, path: Path, total: int) -> None:
+    def __init__(self, path: Path, total: int, largest: int = 0) -> None:
         self.path, self.total = path, total
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -80,42 +86,68 @@ class SequentialFile:
         except BaseException:
             os.close(self.fd)
             raise
-        self._maps = [mmap.mmap(-1, _BLOCK) for _ in range(2)]  # page-aligned, as O_DIRECT needs
-        self._writes: list[Future | None] = [None, None]  # the write in flight from each block
+        # Room for the largest item with a block to spare, so waiting for room always ends (see `room`); a file
+        # smaller than that needs no more than itself. Past the ring's end, an overhang as big as the largest
+        # item: an item the wrap cuts is made whole there, and its overhanging end then moved to the front.
+        blocks = min(max(_BLOCKS, math.ceil(largest / _BLOCK) + 2), max(1, math.ceil(total / _BLOCK)))
+        self.size = blocks * _BLOCK
+        self._map = _anonymous_map(self.size + (largest if total > self.size else 0))
+        self.ring = np.frombuffer(self._map, np.uint8)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="needle-twin-write")
-        self._current = 0  # the block being filled
-        self._block = np.frombuffer(self._maps[0], np.uint8)
-        self._fill = 0  # bytes gathered in the current block
-        self._offset = 0  # file offset of the current block
-        self.appended = 0
+        self._writes: deque[tuple[int, Future]] = deque()  # (end offset, write) in flight, in file order
+        self.produced = 0  # every byte before this offset is in the ring
+        self._submitted = 0  # bytes handed to the writer
+        self.written = 0  # bytes on disk: ring positions of offsets below written + size are free
 
-    def append(self, data: bytes | np.ndarray) -> None:
-        view = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-        view = view.reshape(-1).view(np.uint8)
-        self.appended += view.size
-        while view.size:
-            n = min(view.size, _BLOCK - self._fill)
-            self._block[self._fill:self._fill + n] = view[:n]
-            self._fill += n
-            view = view[n:]
-            if self._fill == _BLOCK:
-                self._submit(_BLOCK)
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """Where file bytes [offset, offset + nbytes) are made: their ring bytes, running into the overhang
+        when the ring wraps inside them (`fold` then puts those in place)."""
+        at = offset % self.size
+        return self.ring[at:at + nbytes]
+
+    def fold(self, offset: int, nbytes: int) -> None:
+        """Move the overhanging end of file bytes [offset, offset + nbytes), if any, to the ring's front."""
+        end = offset % self.size + nbytes
+        if end > self.size:
+            self.ring[:end - self.size] = self.ring[self.size:end]
+
+    def put(self, offset: int, data: bytes) -> None:
+        """Copy data into the ring as file bytes [offset, offset + len(data))."""
+        self.view(offset, len(data))[:] = np.frombuffer(data, np.uint8)
+        self.fold(offset, len(data))
+
+    def room(self, end: int) -> bool:
+        """Whether file bytes up to `end` can be put in the ring now (their ring positions' bytes are written)."""
+        while self._writes and self._writes[0][1].done():
+            self._retire_write()
+        return end <= self.written + self.size
+
+    def writing(self) -> bool:
+        return bool(self._writes)
+
+    def wait_write(self) -> None:
+        """Wait for the oldest write in flight."""
+        self._retire_write()
+
+    def produced_to(self, offset: int) -> None:
+        """Every byte before `offset` is in the ring: hand each block that is now complete to the writer."""
+        self.produced = offset
+        while self._submitted + _BLOCK <= offset:
+            self._submit(_BLOCK)
 
     def _submit(self, nbytes: int) -> None:
-        """Hand the current block's first nbytes to the writer thread and switch to the other block."""
-        i = self._current
-        self._writes[i] = self._writer.submit(self._write, self._maps[i], nbytes, self._offset)
-        self._offset += nbytes
-        self._current = 1 - i
-        if self._writes[self._current] is not None:
-            self._writes[self._current].result()  # its previous write must be done before we refill it
-            self._writes[self._current] = None
-        self._block = np.frombuffer(self._maps[self._current], np.uint8)
-        self._fill = 0
+        at = self._submitted
+        self._writes.append((at + nbytes, self._writer.submit(self._write, at % self.size, nbytes, at)))
+        self._submitted += nbytes
 
-    def _write(self, block: mmap.mmap, nbytes: int, at: int) -> None:
-        """pwrite block[:nbytes] at `at` (a multiple of _ALIGN, as O_DIRECT needs); on the writer thread."""
-        data = memoryview(block)[:nbytes]
+    def _retire_write(self) -> None:
+        end, write = self._writes.popleft()
+        write.result()
+        self.written = min(end, self.total)
+
+    def _write(self, start: int, nbytes: int, at: int) -> None:
+        """pwrite ring[start:start + nbytes] at file offset `at` (multiples of _ALIGN, as O_DIRECT needs)."""
+        data = memoryview(self._map)[start:start + nbytes]
         while data:
             try:
                 n = os.pwrite(self.fd, data, at)
@@ -126,24 +158,19 @@ class SequentialFile:
                 continue
             data, at = data[n:], at + n
 
-    def _drain(self) -> None:
-        for i, write in enumerate(self._writes):
-            if write is not None:
-                self._writes[i] = None
-                write.result()
-
     def finish(self) -> None:
-        """Write what is gathered (the last block padded for O_DIRECT, then cut back) and check the size."""
-        if self.appended != self.total:
-            raise AssertionError(f"{self.path}: {self.appended} bytes written, {self.total} planned")
-        self._drain()
-        if self._fill:
-            tail = self._fill
+        """Write the last block (padded with zeros for O_DIRECT, then cut back), wait for every write."""
+        if self.produced != self.total:
+            raise AssertionError(f"{self.path}: {self.produced} bytes made, {self.total} planned")
+        tail = self.total - self._submitted
+        if tail:
             padded = -(-tail // _ALIGN) * _ALIGN if self.direct else tail  # O_DIRECT writes whole blocks
-            self._block[tail:padded] = 0
+            start = self._submitted % self.size
+            self.ring[start + tail:start + padded] = 0
             self._submit(padded)
-            self._drain()
-        if self._offset != self.total:
+        while self._writes:
+            self._retire_write()
+        if self._submitted != self.total:
             os.ftruncate(self.fd, self.total)  # cut the last block's zero padding
 
     def __enter__(self) -> SequentialFile:
@@ -154,11 +181,26 @@ class SequentialFile:
             if kind is None:
                 self.finish()
         finally:
-            self._writer.shutdown(wait=True)  # a write in flight finishes before its block and fd go
+            self._writer.shutdown(wait=True)  # a write in flight finishes before the ring and fd go
             os.close(self.fd)
-            del self._block
-            for m in self._maps:
-                m.close()
+            del self.ring
+            try:
+                self._map.close()
+            except BufferError:  # a part's view is still held (by an error's traceback): unmapped with it
+                pass
+
+
+def _anonymous_map(nbytes: int) -> mmap.mmap:
+    """Private, page-aligned memory (as O_DIRECT needs), in huge pages where the kernel offers them: a 4 KiB
+    page's first touch costs a host page fault on a VM, a 2 MiB one is 512 pages for one fault."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    m = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+    if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: 4 KiB pages it is
+            pass
+    return m
 
 
 def _set_direct(fd: int, on: bool) -> bool:
@@ -187,78 +229,113 @@ def _reserve(fd: int, total: int) -> None:
             raise  # ENOSPC, EDQUOT, EFBIG: the caller reports it and removes the file
 
 
-class _Lane:
-    """A pair of growable buffers one part is made in (slot 1: the part, slot 0: a transpose's working block);
-    reused from part to part, so no fresh memory is touched per part (first touches of new pages are what
-    cost most on a VM)."""
-
-    def __init__(self) -> None:
-        self.buffers = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
-
-    def __call__(self, slot: int, nbytes: int) -> np.ndarray:
-        if self.buffers[slot].size < nbytes:
-            self.buffers[slot] = np.empty(nbytes, np.uint8)
-        return self.buffers[slot][:nbytes]
+# One item of a file's layout, in file order: (kind, nbytes, payload) with kind "bytes" (payload: the bytes),
+# "part" (payload: (tensor name, make)) or "done" (a tensor is complete; nbytes 0, payload its size).
+Item = tuple[str, int, object]
 
 
-def _make(name: str, make: Callable[[_Lane], np.ndarray], lane: _Lane,
-          check: Callable[[str, np.ndarray], None] | None) -> np.ndarray:
-    part = make(lane)
-    if check is not None:
-        check(name, part)
-    return part
-
-
-def _stream(out: SequentialFile, segments: Sequence[Segment], on_bytes: Callable[[int], None] | None,
-            check: Callable[[str, np.ndarray], None] | None, pipeline: bool) -> None:
-    """Make the tensor parts (map, transpose, cast, check) and append them with the byte segments, in file
-    order. With `pipeline`, _WORKERS threads make the parts ahead of the writes (numpy copies drop the GIL),
-    each in its own lane; the calling thread appends them as they complete, in order."""
-    # In file order: bytes to append, (name, make) for a part, or an int: a tensor's size, done.
-    items: list[bytes | int | tuple] = []
+def _layout(segments: Sequence[Segment]) -> list[Item]:
+    items: list[Item] = []
     for segment in segments:
         if isinstance(segment, bytes):
-            items.append(segment)
+            items.append(("bytes", len(segment), segment))
         else:
-            items += [(segment.name, make) for make in segment.jobs()]
-            items.append(segment.nbytes)
-    if not pipeline:
-        lane = _Lane()
-        for item in items:
-            _emit(out, _make(*item, lane, check) if isinstance(item, tuple) else item, on_bytes)
-        return
-    free = [_Lane() for _ in range(_LANES)]
-    pending: deque = deque()  # the items in file order, parts as (future, lane)
-    with ThreadPoolExecutor(_WORKERS, thread_name_prefix="needle-twin-part") as pool:
+            items += [("part", nbytes, (segment.name, make)) for nbytes, make in segment.jobs()]
+            items.append(("done", 0, segment.nbytes))
+    return items
+
+
+class _Scratch(threading.local):
+    """A per-thread growable buffer for a transpose's working block, reused from part to part (on a VM the
+    first touch of fresh memory costs more than the copies made in it)."""
+
+    def __init__(self) -> None:
+        self.buffer = np.empty(0, np.uint8)
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        if self.buffer.size < nbytes:
+            self.buffer = np.empty(nbytes, np.uint8)
+        return self.buffer[:nbytes]
+
+
+def _make(out: SequentialFile, offset: int, nbytes: int, name: str, make: Callable, check: Check | None,
+          scratch: _Scratch) -> None:
+    """Make one part in its place in the ring, check it, and fold it where the ring wraps inside it."""
+    part = make(out.view(offset, nbytes), scratch)
+    if check is not None:
+        check(name, part)
+    out.fold(offset, nbytes)
+
+
+def _yield_to_hash() -> None:
+    """Lower this worker thread's priority: the source hash (one thread, the conversion's critical path) then
+    runs at full speed while the workers take the rest of the cores. Linux only: elsewhere setpriority on
+    a thread id would renice the whole process."""
+    if sys.platform.startswith("linux"):
         try:
-            for item in items:
-                if isinstance(item, tuple):
-                    while not free:  # every lane holds a part in flight: write the oldest out first
-                        _emit_pending(out, pending, free, on_bytes)
-                    lane = free.pop()
-                    item = (pool.submit(_make, *item, lane, check), lane)
-                pending.append(item)
-            while pending:
-                _emit_pending(out, pending, free, on_bytes)
-        finally:
-            for item in pending:  # on an error: don't start parts nobody will write
-                if isinstance(item, tuple):
-                    item[0].cancel()
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + _NICE)
+        except OSError:
+            pass
 
 
-def _emit_pending(out: SequentialFile, pending: deque, free: list, on_bytes) -> None:
-    item = pending.popleft()
-    if isinstance(item, tuple):
-        future, lane = item
-        _emit(out, future.result(), on_bytes)
-        free.append(lane)
-    else:
-        _emit(out, item, on_bytes)
+class _Inline:
+    """The executor interface, run on the calling thread (pipeline=False)."""
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        future.set_result(fn(*args))
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
 
 
-def _emit(out: SequentialFile, item: bytes | np.ndarray | int, on_bytes: Callable[[int], None] | None) -> None:
-    if isinstance(item, int):
-        if on_bytes is not None:
-            on_bytes(item)
-    else:
-        out.append(item)
+def _stream(out: SequentialFile, items: list[Item], on_bytes: Callable[[int], None] | None, check: Check | None,
+            pipeline: bool) -> None:
+    """Put the items in the ring in file order: bytes at once, parts by _WORKERS threads (made ahead of the
+    writes as far as the ring has room). A block goes to the writer once all its items are in place."""
+    pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="needle-twin-part", initializer=_yield_to_hash) \
+        if pipeline else _Inline()
+    scratch = _Scratch()
+    pending: deque[tuple[int, Future | None, int]] = deque()  # (end offset, part being made, progress bytes)
+    try:
+        offset = 0
+        for kind, nbytes, payload in items:
+            while not out.room(offset + nbytes):  # writes free room: wait for one, else for the oldest part
+                _retire_done(out, pending, on_bytes)
+                if out.writing():
+                    out.wait_write()
+                else:
+                    _retire(out, pending, on_bytes)
+            if kind == "bytes":
+                out.put(offset, payload)
+                pending.append((offset + nbytes, None, 0))
+            elif kind == "part":
+                name, make = payload
+                pending.append((offset + nbytes, pool.submit(_make, out, offset, nbytes, name, make, check,
+                                                              scratch), 0))
+            else:
+                pending.append((offset, None, payload))
+            offset += nbytes
+            _retire_done(out, pending, on_bytes)  # complete blocks go out as early as possible
+        while pending:
+            _retire(out, pending, on_bytes)
+    finally:
+        for _, future, _ in pending:  # on an error: don't start parts nobody will write
+            if future is not None:
+                future.cancel()
+        pool.shutdown(wait=True)
+
+
+def _retire_done(out: SequentialFile, pending: deque, on_bytes: Callable[[int], None] | None) -> None:
+    while pending and (pending[0][1] is None or pending[0][1].done()):
+        _retire(out, pending, on_bytes)
+
+
+def _retire(out: SequentialFile, pending: deque, on_bytes: Callable[[int], None] | None) -> None:
+    end, future, progress = pending.popleft()
+    if future is not None:
+        future.result()
+    out.produced_to(end)
+    if progress and on_bytes is not None:
+        on_bytes(progress)

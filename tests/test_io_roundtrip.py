@@ -70,11 +70,13 @@ def test_upstream_pickle_safetensors_pickle_is_bit_exact(tmp_path):
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_byte_identical_through_small_bands_and_write_blocks(tmp_path, monkeypatch, direct):
-    """The paths big checkpoints take, at fixture size: untransposed tensors read in bands of rows, files
-    written in many blocks (O_DIRECT where /tmp allows it) with a padded, cut-back tail."""
+    """The paths big checkpoints take, at fixture size: tensors made in bands of rows (of the source's columns
+    where transposed), files written in many blocks through a ring that wraps (O_DIRECT where /tmp allows it)
+    with a padded, cut-back tail."""
     from convert import plan, sink
 
     monkeypatch.setattr(plan, "PART_BYTES", 300)  # the (256, 64) f32 embedding: 1 row per band, 256 bands
+    monkeypatch.setattr(plan, "TRANSPOSE_PART_BYTES", 300)  # Dense kernels: bands of the source's columns
     monkeypatch.setattr(sink, "_BLOCK", 2 * sink._ALIGN)  # ~120 KB fixture: dozens of blocks
     if not direct:
         monkeypatch.setattr(sink, "_set_direct", lambda fd, on: False)
@@ -421,6 +423,34 @@ def test_sink_lays_out_segments_and_fills_tensors_in_place(tmp_path, monkeypatch
     assert sum(done) == kernel.nbytes + gate.nbytes
 
 
+@pytest.mark.parametrize("pipeline, direct", [(True, True), (True, False), (False, True)])
+def test_sink_ring_wraps_inside_parts_and_byte_segments(tmp_path, monkeypatch, pipeline, direct):
+    """Items of every size through a ring of 4 KiB blocks (3 by default, 7 here: sized up front for the largest
+    item): items the wrap cuts (made in the overhang, then folded to the front), items bigger than a block."""
+    from convert import sink
+
+    monkeypatch.setattr(sink, "_BLOCK", sink._ALIGN)
+    monkeypatch.setattr(sink, "_BLOCKS", 3)
+    if not direct:
+        monkeypatch.setattr(sink, "_set_direct", lambda fd, on: False)
+    rng = np.random.default_rng(5)
+    segments, expected = [], []
+    for i in range(60):
+        n = int(rng.choice([1, 7, 100, 1000, 4095, 4096, 5000, 9000]))
+        if i == 40:
+            n = 5 * sink._ALIGN + 3  # bigger than the default ring: it is made 7 blocks long
+        if i % 3 == 0:
+            data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+            segments.append(data)
+            expected.append(data)
+        else:
+            array = rng.integers(0, 256, n, dtype=np.uint8)
+            segments.append(Planned_of(f"t{i}", array))
+            expected.append(array.tobytes())
+    sink.write_file(tmp_path / "out.bin", segments, pipeline=pipeline)
+    assert (tmp_path / "out.bin").read_bytes() == b"".join(expected)
+
+
 def test_sink_stops_on_the_first_failing_tensor(tmp_path):
     from convert import sink
     from convert.plan import Piece, Planned
@@ -504,6 +534,10 @@ def test_transposes_and_casts_are_exact(rows, cols, dtype):
     out = np.empty((cols, rows), dtype)
     plan.copy_into(out, source, transpose=True)
     np.testing.assert_array_equal(out.view(f"u{out.itemsize}"), source.T.view(f"u{out.itemsize}"))
+    band = np.random.default_rng(cols).standard_normal((rows, cols + 8)).astype(dtype)[:, 4:cols + 4]
+    assert not band.flags.c_contiguous  # a band of a source's columns: strided rows
+    plan.copy_into(out, band, transpose=True, scratch=lambda n: np.empty(n, np.uint8))
+    np.testing.assert_array_equal(out.view(f"u{out.itemsize}"), band.T.view(f"u{out.itemsize}"))
     widened = np.empty((cols, rows), np.float64)  # a cast on the way
     plan.copy_into(widened, source, transpose=True, scratch=lambda n: np.empty(n, np.uint8))
     np.testing.assert_array_equal(widened, source.T.astype(np.float64))
