@@ -106,9 +106,10 @@ class Planned:
         """(nbytes, make) per part of the tensor, in file order; make(dest, scratch) writes the part into dest
         (nbytes of uint8) and returns it there as an array of self.dtype.
 
-        A part is a piece (a layer) or a band of at most PART_BYTES of its rows (an embedding is 100+ MB:
-        bands keep the writer's buffers small and let it start early). Parts are independent, so writers may
-        make several at once. scratch(nbytes) lends a transpose its working block (a reusable uint8 buffer).
+        A part is a piece (a layer) or, past PART_BYTES (TRANSPOSE_PART_BYTES when transposed), a band of as
+        many rows as fit in that (at least one): an embedding is 100+ MB, bands keep the writer's buffers small
+        and let it start early. Parts are independent, so writers may make several at once. scratch(nbytes)
+        lends a transpose its working block (a reusable uint8 buffer).
         """
         shape = self.shape[1:] if self.stacked else self.shape
         nbytes = math.prod(shape) * self.dtype.itemsize

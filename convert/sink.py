@@ -79,13 +79,6 @@ class SequentialFile:
 
     def __init__(self, path: Path, total: int, largest: int = 0) -> None:
         self.path, self.total = path, total
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _reserve(self.fd, total)
-            self.direct = _set_direct(self.fd, True)  # False where the filesystem or platform has none
-        except BaseException:
-            os.close(self.fd)
-            raise
         # Room for the largest item with a block to spare, so waiting for room always ends (see `room`); a file
         # smaller than that needs no more than itself. Past the ring's end, an overhang as big as the largest
         # item: an item the wrap cuts is made whole there, and its overhanging end then moved to the front.
@@ -93,7 +86,14 @@ class SequentialFile:
         self.size = blocks * _BLOCK
         self._map = _anonymous_map(self.size + (largest if total > self.size else 0))
         self.ring = np.frombuffer(self._map, np.uint8)
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="needle-twin-write")
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _reserve(self.fd, total)
+            self.direct = _set_direct(self.fd, True)  # False where the filesystem or platform has none
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="needle-twin-write")
+        except BaseException:
+            os.close(self.fd)
+            raise
         self._writes: deque[tuple[int, Future]] = deque()  # (end offset, write) in flight, in file order
         self.produced = 0  # every byte before this offset is in the ring
         self._submitted = 0  # bytes handed to the writer
@@ -181,7 +181,8 @@ class SequentialFile:
             if kind is None:
                 self.finish()
         finally:
-            self._writer.shutdown(wait=True)  # a write in flight finishes before the ring and fd go
+            # A write in flight finishes before the ring and fd go; after an error, queued ones are dropped.
+            self._writer.shutdown(wait=True, cancel_futures=kind is not None)
             os.close(self.fd)
             del self.ring
             try:
@@ -269,8 +270,8 @@ def _make(out: SequentialFile, offset: int, nbytes: int, name: str, make: Callab
 
 def _yield_to_hash() -> None:
     """Lower this worker thread's priority: the source hash (one thread, the conversion's critical path) then
-    runs at full speed while the workers take the rest of the cores. Linux only: elsewhere setpriority on
-    a thread id would renice the whole process."""
+    runs at full speed while the workers take the rest of the cores. Linux only: there a thread id names one
+    thread for setpriority; elsewhere priorities are per process (a thread id is not a process id)."""
     if sys.platform.startswith("linux"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + _NICE)

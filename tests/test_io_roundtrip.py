@@ -119,6 +119,31 @@ def test_direct_io_refused_mid_file_falls_back_to_buffered_writes(tmp_path, monk
     assert len(calls) >= 4  # the refused write was retried, then the rest went through
 
 
+def test_full_disk_mid_file_leaves_nothing_and_says_so(tmp_path, monkeypatch):
+    """ENOSPC on a block write: one NeedleTwinError naming the output, no temp file left, queued writes dropped."""
+    import errno
+    import threading
+
+    from convert import sink
+
+    real_pwrite, calls = os.pwrite, []
+
+    def full_disk(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(sink, "_BLOCK", sink._ALIGN)  # ~120 KB fixture: ~30 blocks
+    monkeypatch.setattr(sink.os, "pwrite", full_disk)
+    src = io.open_source(FIXTURE_PKL)
+    with pytest.raises(NeedleTwinError, match=r"m\.safetensors failed: No space left on device.*nothing was written"):
+        io.write_source(src, io.resolve_config(src), tmp_path / "m.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    assert len(calls) < 10  # the blocks queued behind the failed write were not written
+    assert not [t for t in threading.enumerate() if t.name.startswith("needle-twin")]
+
+
 def Planned_of(name, array):
     from convert.plan import Planned
 
@@ -425,7 +450,7 @@ def test_sink_lays_out_segments_and_fills_tensors_in_place(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("pipeline, direct", [(True, True), (True, False), (False, True)])
 def test_sink_ring_wraps_inside_parts_and_byte_segments(tmp_path, monkeypatch, pipeline, direct):
-    """Items of every size through a ring of 4 KiB blocks (3 by default, 7 here: sized up front for the largest
+    """Items of every size through a ring of 4 KiB blocks (3 by default, 8 here: sized up front for the largest
     item): items the wrap cuts (made in the overhang, then folded to the front), items bigger than a block."""
     from convert import sink
 
@@ -438,7 +463,7 @@ def test_sink_ring_wraps_inside_parts_and_byte_segments(tmp_path, monkeypatch, p
     for i in range(60):
         n = int(rng.choice([1, 7, 100, 1000, 4095, 4096, 5000, 9000]))
         if i == 40:
-            n = 5 * sink._ALIGN + 3  # bigger than the default ring: it is made 7 blocks long
+            n = 5 * sink._ALIGN + 3  # bigger than the default ring: it is made ceil(n / block) + 2 = 8 blocks long
         if i % 3 == 0:
             data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
             segments.append(data)
