@@ -187,9 +187,13 @@ def read_checkpoint(path: str | Path, config: TransformerConfig | Mapping[str, A
     return Checkpoint(params, cfg, source.format, _checkpoint_metadata(source), Path(path))
 
 
+# Formats whose stored config dict is upstream's own (only the fields that were set, in their order).
+_UPSTREAM_CONFIG_FORMATS = (PICKLE, MSGPACK, ORBAX)
+
+
 def _checkpoint_metadata(source: Source) -> dict[str, str]:
     metadata = dict(source.metadata)
-    if source.format in (PICKLE, MSGPACK) and source.config_dict is not None:
+    if source.format in _UPSTREAM_CONFIG_FORMATS and source.config_dict is not None:
         # Upstream pickles store only explicitly set fields; keep that exact dict for a faithful round trip.
         metadata.setdefault("upstream_config", json.dumps(source.config_dict))
     return metadata
@@ -274,7 +278,7 @@ def _output_metadata(source: Source, config: TransformerConfig, dtype: str | Non
     meta = {"format": "needle-twin", "format_version": FORMAT_VERSION, "tool_version": tool_version(),
             "config": json.dumps(config.to_dict(), sort_keys=True), "source_format": source.format}
     upstream = source.metadata.get("upstream_config")
-    if source.format in (PICKLE, MSGPACK) and source.config_dict is not None:
+    if source.format in _UPSTREAM_CONFIG_FORMATS and source.config_dict is not None:
         upstream = json.dumps(source.config_dict)
     if upstream is not None:
         meta["upstream_config"] = upstream
@@ -355,7 +359,7 @@ def _write(fmt: str, source: Source, config: TransformerConfig, cast: np.dtype |
     elif fmt == ORBAX:
         from convert.formats import orbax_format
 
-        orbax_format.write(tmp, view, config, on_bytes, check)
+        orbax_format.write(tmp, view, upstream_config_dict(config, meta), on_bytes, check)
     return bad
 
 

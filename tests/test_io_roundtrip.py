@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import FIXTURE_PKL
-from convert_helpers import REPO, TINY, TINY_FFN, assert_trees_bit_identical, tiny_pickle
+from convert_helpers import REPO, TINY, TINY_FFN, assert_trees_bit_identical, tiny_pickle, write_upstream_pickle
 
 from convert import io
 from convert.errors import CheckpointError, NeedleTwinError
@@ -66,6 +66,27 @@ def test_upstream_pickle_safetensors_pickle_is_bit_exact(tmp_path):
     assert again["config"] == original["config"]
     assert list(again["config"]) == list(original["config"])  # even the key order
     assert type(again["params"]["embedding"]["embedding"]) is np.ndarray
+
+
+@pytest.mark.parametrize("via", ["m.safetensors", "hfdir", "m.msgpack", "orbax"])
+def test_upstream_config_dict_survives_every_format_exactly(tmp_path, via):
+    """A pickle whose config names default-valued fields too (and in its own order) gets that dict back, not
+    the canonical non-default one, through each format we write."""
+    params = random_flax_params(TINY, seed=3, dtype="float16")
+    stored = {"num_decoder_layers": TINY.num_decoder_layers, "vocab_size": TINY.vocab_size, "d_model": TINY.d_model,
+              "num_heads": TINY.num_heads, "num_kv_heads": TINY.num_kv_heads, "dropout_rate": 0.1,
+              "num_encoder_layers": TINY.num_encoder_layers, "no_feedforward": True}
+    assert stored != TINY.to_dict(only_non_default=True)  # dropout_rate and no_feedforward are defaults
+    src = write_upstream_pickle(tmp_path / "up.pkl", params, stored)
+    middle = tmp_path / via
+    to = {"hfdir": "torch", "orbax": "flax"}.get(via)
+    io.write_source(io.open_source(src), io.resolve_config(io.open_source(src)), middle,
+                    format=io.infer_write_format(middle, to))
+    back = io.open_source(middle)
+    io.write_source(back, io.resolve_config(back), tmp_path / "back.pkl")
+    again = _plain_pickle(tmp_path / "back.pkl")
+    assert again["config"] == stored and list(again["config"]) == list(stored)
+    assert_trees_bit_identical(again["params"], params)
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -390,7 +411,7 @@ def test_flax_format_to_safetensors_and_back(tmp_path, fmt, dtype):
         assert_trees_bit_identical({k: np.asarray(v) for k, v in flatten_tree(b["params"]).items()},
                                    flatten_tree(params))
     else:
-        assert json.loads((back / "config.json").read_text()) == TINY_FFN.to_dict()
+        assert json.loads((back / "config.json").read_text()) == TINY_FFN.to_dict(only_non_default=True)
         assert_trees_bit_identical(io.read_checkpoint(back).params, params)
 
 

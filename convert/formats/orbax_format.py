@@ -1,7 +1,8 @@
 """Orbax PyTree checkpoint directories, restored to host numpy whatever sharding they were saved with.
 
 We write {"params": tree} with Orbax's synchronous PyTreeCheckpointer and put the config in
-config.json inside the directory (Orbax ignores files it does not know). We read a PyTree
+config.json inside the directory (Orbax ignores files it does not know): upstream's own dict, the
+fields that were set (as an upstream pickle stores it), so pickle -> Orbax -> pickle keeps it exactly. We read a PyTree
 directory, or a CheckpointManager step directory holding one item, and take the params
 from {"params": ...} (a TrainState's other fields are ignored) or from a bare params tree.
 """
@@ -12,13 +13,12 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from convert.config import TransformerConfig
 from convert.errors import CheckpointError, one_line
 from convert.mapping import flatten_tree, unflatten_tree
 from convert.source import FLAX, Source, file_sha256
@@ -120,7 +120,7 @@ def _to_plain(node: Any) -> Any:
     return node
 
 
-def write(path: Path, view: Iterable, config: TransformerConfig,
+def write(path: Path, view: Iterable, config_dict: Mapping[str, Any],
           on_bytes: Callable[[int], None] | None = None,
           check: Callable[[str, np.ndarray], None] | None = None) -> None:
     """{"params": tree} as an Orbax PyTree checkpoint plus config.json; Orbax needs the tree in memory."""
@@ -138,4 +138,4 @@ def write(path: Path, view: Iterable, config: TransformerConfig,
             on_bytes(p.nbytes)
     with _quiet():
         ocp.PyTreeCheckpointer().save(path.resolve(), {"params": unflatten_tree(flat)})
-    (path / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    (path / CONFIG_NAME).write_text(json.dumps(dict(config_dict), indent=2) + "\n", encoding="utf-8")
