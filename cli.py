@@ -134,7 +134,8 @@ def inspect_command(
     dtypes = ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items())
     typer.echo(f"tensors:    {info['num_tensors']} ({dtypes}), {info['num_parameters']:,} parameters, "
                f"{info['num_bytes'] / 2**20:,.2f} MiB")
-    typer.echo(f"check:      {info['check']}")
+    scope = " (names, shapes and dtypes against the config; convert and diff read the values)"
+    typer.echo(f"check:      {info['check']}" + (scope if info["check"] == "ok" else ""))
     width = max((len(t["name"]) for t in info["tensors"]), default=0)
     for t in info["tensors"]:
         typer.echo(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']}")

@@ -124,7 +124,8 @@ def inspect(path: Path, config_path: Path | None = None) -> dict[str, Any]:
     return {
         "path": str(path), "format": source.format, "layout": source.layout,
         "config": config.to_dict() if config is not None else None,
-        "stored_config": source.config_dict, "config_origin": source.config_origin or None,
+        "stored_config": source.config_dict,
+        "config_origin": str(config_path) if config_path is not None else (source.config_origin or None),
         "metadata": dict(source.metadata),
         "num_tensors": len(tensors), "num_parameters": sum(math.prod(t["shape"]) for t in tensors),
         "num_bytes": source.nbytes, "dtypes": dtypes, "check": check, "tensors": tensors,
@@ -178,17 +179,20 @@ def _json_float(x: float | None) -> float | str | None:
     return str(x)
 
 
-def _open_checked(path: Path, config_path: Path | None) -> tuple[Source, TransformerConfig, list[plan.Planned]]:
+def _open_for_diff(path: Path, config_path: Path | None) -> tuple[Source, TransformerConfig, list[plan.Planned]]:
+    """The checkpoint's tensors in the Flax layout, plus (as stored) those its config does not know; missing
+    ones are simply absent, so the diff lists them as keys only the other side has."""
     source = io.open_source(path)
     config = io.resolve_config(source, _config_arg(config_path))
-    plan.validate(source, config)
-    return source, config, plan.flax_view(source, config)
+    view, unknown = plan.present_flax_view(source, config)
+    return source, config, view + [plan.Planned(name, source.tensors[name].shape, source.tensors[name].dtype,
+                                                (plan.Piece(source.tensors[name]),)) for name in unknown]
 
 
 def diff(a: Path, b: Path, config_a: Path | None = None, config_b: Path | None = None) -> DiffResult:
     """Key-level and value-level differences of two checkpoints in any formats, compared in the Flax layout."""
-    source_a, cfg_a, view_a = _open_checked(a, config_a)
-    source_b, cfg_b, view_b = _open_checked(b, config_b)
+    source_a, cfg_a, view_a = _open_for_diff(a, config_a)
+    source_b, cfg_b, view_b = _open_for_diff(b, config_b)
     result = DiffResult(Path(a), Path(b), source_a.format, source_b.format)
     da, db = cfg_a.to_dict(), cfg_b.to_dict()
     result.config = {k: (da[k], db[k]) for k in da if da[k] != db[k]}

@@ -156,11 +156,25 @@ def validate(source: Source, config: TransformerConfig, cast: np.dtype | None = 
     found = {name: ref.shape for name, ref in source.tensors.items()}
     expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
     problems = _layer_count_problems(source, config) + entry_problems(found, expected)
+    hint = _config_hint(source, config) if problems else ""  # a dtype problem is not the config's fault
     problems += _dtype_problems(source, cast)
     if problems:
-        hint = _config_hint(source, config)
         raise CheckpointError(f"{source.path} does not match its config: " + "; ".join(problems)
                               + (f". {hint}" if hint else ""))
+
+
+def present_flax_view(source: Source, config: TransformerConfig) -> tuple[list[Planned], list[str]]:
+    """For comparing checkpoints: the Flax view of the tensors the file has, and its names the config does
+    not know. Missing tensors are left out (a diff shows them as keys only the other side has); a tensor
+    that is there but mis-shaped, or of a non-weight dtype, still fails as in `validate`."""
+    expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
+    present = {name: ref for name, ref in source.tensors.items() if name in expected}
+    problems = entry_problems({name: ref.shape for name, ref in present.items()},
+                              {name: expected[name] for name in present})
+    problems += [p for p in _dtype_problems(source, None) if not p.startswith("mixed dtypes")]  # a diff shows those
+    if problems:
+        raise CheckpointError(f"{source.path} does not match its config: " + "; ".join(problems))
+    return flax_view(source, config, complete=False), sorted(set(source.tensors) - set(expected))
 
 
 def _layer_count_problems(source: Source, config: TransformerConfig) -> list[str]:
@@ -191,13 +205,18 @@ def _layer_count_problems(source: Source, config: TransformerConfig) -> list[str
 
 
 def _dtype_problems(source: Source, cast: np.dtype | None) -> list[str]:
-    """Weights must be float32/bfloat16/float16, and (unless cast) all in the embedding's dtype."""
+    """Weights must be float32/bfloat16/float16 (any float when cast, e.g. float64 from JAX with x64), and
+    (unless cast) all in the embedding's dtype."""
     problems = []
-    bad_kind = sorted(n for n, r in source.tensors.items() if dtype_name(r.dtype) not in WEIGHT_DTYPES)
+    allowed = (lambda name: name in WEIGHT_DTYPES or name.startswith("float")) if cast is not None else \
+        (lambda name: name in WEIGHT_DTYPES)
+    bad_kind = sorted(n for n, r in source.tensors.items() if not allowed(dtype_name(r.dtype)))
     if bad_kind:
         problems.append("wrong dtype: " + ", ".join(f"{n} is {dtype_name(source.tensors[n].dtype)}"
                                                     for n in bad_kind)
-                        + f" (weights must be {', '.join(WEIGHT_DTYPES)})")
+                        + f" (weights must be {', '.join(WEIGHT_DTYPES)}"
+                        + ("; cast other floats with --dtype)" if cast is None and any(
+                            dtype_name(source.tensors[n].dtype).startswith("float") for n in bad_kind) else ")"))
     anchor = source.tensors.get(EMBEDDING[source.layout])
     if cast is None and anchor is not None and dtype_name(anchor.dtype) in WEIGHT_DTYPES:
         mixed = sorted(n for n, r in source.tensors.items()
@@ -305,16 +324,20 @@ def torch_view(source: Source, config: TransformerConfig, cast: np.dtype | None 
     return out
 
 
-def flax_view(source: Source, config: TransformerConfig, cast: np.dtype | None = None) -> list[Planned]:
-    """The checkpoint as upstream Flax arrays (stacked layers, Dense kernels (in, out)), in table order."""
+def flax_view(source: Source, config: TransformerConfig, cast: np.dtype | None = None, complete: bool = True
+              ) -> list[Planned]:
+    """The checkpoint as upstream Flax arrays (stacked layers, Dense kernels (in, out)), in table order.
+    With complete=False, arrays whose source tensors are (partly) missing are left out."""
     out = []
     for rule in rules(config):
         shape = flax_shape(rule, config)
+        names = [rule.flax] if source.layout == FLAX else torch_names(rule, config)
+        if not complete and not all(name in source.tensors for name in names):
+            continue
         if source.layout == FLAX:
             out.append(Planned(rule.flax, shape, _out_dtype(source, rule.flax, cast),
                                (Piece(source.tensors[rule.flax]),)))
             continue
-        names = torch_names(rule, config)
         out.append(Planned(rule.flax, shape, _out_dtype(source, names[0], cast),
                            tuple(Piece(source.tensors[name]) for name in names), stacked=rule.stack is not None,
                            transpose=rule.transpose))

@@ -16,7 +16,7 @@ from convert_helpers import REPO, TINY, assert_trees_bit_identical, leftovers, t
 from typer.testing import CliRunner
 
 import cli
-from convert.mapping import flatten_tree, random_flax_params
+from convert.mapping import flatten_tree, flax_to_torch_numpy, random_flax_params
 
 runner = CliRunner()
 
@@ -150,6 +150,20 @@ def test_inspect_text_and_a_broken_checkpoint(tmp_path):
     assert "missing 1: log_temp" in info["check"]
 
 
+def test_inspect_names_the_config_it_used_and_what_its_check_covers(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({k: v.copy() for k, v in flax_to_torch_numpy(
+        random_flax_params(TINY, dtype="float16"), TINY).items()}, tmp_path / "bare.safetensors")  # no metadata
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(TINY.to_dict()))
+    result = invoke("inspect", tmp_path / "bare.safetensors", "--config", cfg)
+    assert result.exit_code == 0, result.output
+    assert f"from {cfg}" in result.stdout
+    assert "check:      ok (names, shapes and dtypes against the config; convert and diff read the values)" \
+        in result.stdout
+
+
 def test_diff_reports_key_and_value_differences(tmp_path):
     params = random_flax_params(TINY, seed=0, dtype="float32")
     a = write_upstream_pickle(tmp_path / "a.pkl", params, TINY.to_dict(only_non_default=True))
@@ -182,6 +196,33 @@ def test_diff_reports_config_and_missing_keys(tmp_path):
     report = json.loads(invoke("diff", a, b, "--json").stdout)
     assert report["config"]["no_feedforward"] == {"a": True, "b": False}
     assert "encoder/layers/EncoderBlock_0/FeedForward_0/up_proj/kernel" in report["only_in_b"]
+
+
+def test_diff_lists_missing_and_unknown_tensors_instead_of_refusing(tmp_path):
+    """A tensor missing from one side (a torch file) or unknown to the config (a pickle) is a key-level
+    difference; the tensors both sides have are still compared."""
+    from safetensors.numpy import load_file, save_file
+
+    params = random_flax_params(TINY, seed=2, dtype="float16")
+    a = write_upstream_pickle(tmp_path / "a.pkl", params, TINY.to_dict(only_non_default=True))
+    extra = {**params, "probe_head": {"kernel": np.ones((2, 3), np.float16)}}
+    b = write_upstream_pickle(tmp_path / "b.pkl", extra, TINY.to_dict(only_non_default=True))
+    invoke("convert", a, tmp_path / "full.safetensors")
+    tensors = load_file(tmp_path / "full.safetensors")
+    gone = "decoder.layers.0.cross_attn.k_proj.weight"
+    del tensors[gone]
+    save_file(tensors, tmp_path / "partial.safetensors")
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(TINY.to_dict()))
+    result = invoke("diff", b, tmp_path / "partial.safetensors", "--config-b", cfg, "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["only_in_a"] == ["decoder/layers/DecoderBlock_0/cross_attn/k_proj/kernel", "probe_head/kernel"]
+    assert report["only_in_b"] == []
+    assert len(report["tensors"]) == len(flatten_tree(params)) - 1
+    assert all(t["status"] == "identical" for t in report["tensors"])
+    text = invoke("diff", b, tmp_path / "partial.safetensors", "--config-b", cfg)
+    assert text.exit_code == 1 and "probe_head/kernel" in text.stdout
 
 
 def test_sigterm_mid_conversion_leaves_nothing(tmp_path):

@@ -312,6 +312,22 @@ def test_safetensors_metadata(tmp_path):
     assert json.loads(meta["upstream_config"]) == _plain_pickle(FIXTURE_PKL)["config"]
 
 
+def test_float64_weights_need_an_explicit_cast_and_then_round_once(tmp_path):
+    """JAX with x64 saves float64: refused as is (naming the fix, not blaming the config), cast exactly."""
+    params = random_flax_params(TINY, seed=4, dtype="float32")
+    wide = {k: v.astype(np.float64) + 1e-12 for k, v in flatten_tree(params).items()}  # not float32-exact
+    from convert.mapping import unflatten_tree
+
+    src = io.open_source(write_upstream_pickle(tmp_path / "f64.pkl", unflatten_tree(wide),
+                                               TINY.to_dict(only_non_default=True)))
+    with pytest.raises(CheckpointError, match="is float64 .*cast other floats with --dtype") as e:
+        io.write_source(src, TINY, tmp_path / "a.safetensors")
+    assert "Is the config" not in str(e.value) and not (tmp_path / "a.safetensors").exists()
+    io.write_source(src, TINY, tmp_path / "b.safetensors", dtype="float32")
+    back = io.read_checkpoint(tmp_path / "b.safetensors").params
+    assert_trees_bit_identical(back, unflatten_tree({k: v.astype(np.float32) for k, v in wide.items()}))
+
+
 def test_sha256_of_a_safetensors_source(tmp_path):
     from safetensors import safe_open
 
