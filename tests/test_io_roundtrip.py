@@ -294,6 +294,18 @@ def test_sharded_hf_directory(tmp_path):
     assert_trees_bit_identical(io.read_checkpoint(tmp_path / "hf").params, params)
 
 
+def test_edited_config_json_of_our_directory_is_named_field_by_field(tmp_path):
+    io.write_checkpoint(random_flax_params(TINY, dtype="float16"), TINY, tmp_path / "hf")
+    config_json = tmp_path / "hf" / "config.json"
+    original = json.loads(config_json.read_text())
+    config_json.write_text(json.dumps({**original, "rope_scaling": 2.0}))
+    with pytest.raises(CheckpointError, match=r"recorded in model\.safetensors \(.*rope_scaling"):
+        io.open_source(tmp_path / "hf")
+    config_json.write_text(json.dumps({**original, "max_seq_len": 77}))
+    with pytest.raises(CheckpointError, match=r"\(max_seq_len: 77 there, \d+ recorded\); restore the original"):
+        io.open_source(tmp_path / "hf")
+
+
 # ----------------------------------------------------------------------------- metadata, casts
 
 

@@ -173,8 +173,8 @@ def read_dir(path: Path) -> Source:
 
         on_disk = load_config_json(config_path)
         if config is not None and _canonical(on_disk) != _canonical(config):
-            raise CheckpointError(f"{config_path} contradicts the config recorded in {files[0]}; "
-                                  "restore the original config.json")
+            raise CheckpointError(f"{config_path} contradicts the config recorded in {files[0]} "
+                                  f"({_difference(on_disk, config)}); restore the original config.json")
         config, origin = on_disk, str(config_path)
     return Source(path, DIR_FORMAT, TORCH, tensors, config, origin, metadata, lambda: file_sha256(path))
 
@@ -184,6 +184,15 @@ def _canonical(config: Mapping[str, Any]) -> Any:
         return TransformerConfig.from_dict(config)
     except NeedleTwinError:
         return dict(config)
+
+
+def _difference(on_disk: Mapping[str, Any], recorded: Mapping[str, Any]) -> str:
+    """What makes config.json differ from the recorded config: its own error, or the fields that differ."""
+    try:
+        mine, theirs = TransformerConfig.from_dict(on_disk).to_dict(), TransformerConfig.from_dict(recorded).to_dict()
+    except NeedleTwinError as e:
+        return str(e)
+    return ", ".join(f"{k}: {mine[k]!r} there, {theirs[k]!r} recorded" for k in mine if mine[k] != theirs[k])
 
 
 def _read_index(index_path: Path) -> dict[str, str]:
