@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ def _replaceable_directory(path: Path) -> bool:
 def atomic_output(dst: Path, *, force: bool, directory: bool = False) -> Iterator[Path]:
     """Yield a not-yet-existing temporary path beside dst; on success it replaces dst, on any failure it vanishes."""
     dst = Path(dst)
+    clean_leftovers(dst)  # first: a restored previous output must count as "dst exists" for the check below
     check_target(dst, force=force, directory=directory)
     tmp = dst.parent / f".{dst.name}.needle-tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
@@ -60,7 +62,8 @@ def _commit(tmp: Path, dst: Path, *, force: bool) -> None:
     # Re-check: dst may have appeared while we were writing.
     check_target(dst, force=force, directory=tmp.is_dir())
     if tmp.is_dir() and dst.is_dir():
-        old = dst.parent / f".{dst.name}.needle-old-{secrets.token_hex(4)}"
+        # The pid lets a later run tell a killed swap (writer gone) from one in progress (see clean_leftovers).
+        old = dst.parent / f".{dst.name}.needle-old-{os.getpid()}-{secrets.token_hex(4)}"
         os.rename(dst, old)
         try:
             os.rename(tmp, dst)
@@ -72,6 +75,71 @@ def _commit(tmp: Path, dst: Path, *, force: bool) -> None:
     if tmp.is_dir() and dst.exists():
         os.unlink(dst)  # a file or symlink replaced by a directory (--force checked above)
     os.replace(tmp, dst)
+
+
+def clean_leftovers(dst: Path) -> None:
+    """Delete what a killed writer of dst left beside it (or put back the previous output it had moved aside)."""
+    # SIGTERM/Ctrl-C/errors clean up after themselves; only SIGKILL, OOM kills and power loss leave these behind.
+    # Only names our writers make for this exact dst, with a pid that no longer exists, are touched.
+    if os.name != "posix":  # os.kill(pid, 0) is a liveness probe only on POSIX (on Windows it kills)
+        return
+    try:
+        with os.scandir(dst.parent) as entries:  # one listdir, whatever else the folder holds
+            names = [entry.name for entry in entries]
+    except OSError:
+        return  # no folder (check_target will say so) or unreadable: nothing we may clean
+    tmp_pattern, old_pattern = _leftover_patterns(dst.name)
+    dead_old = []
+    for name in names:
+        tmp, old = tmp_pattern.fullmatch(name), old_pattern.fullmatch(name)
+        match = tmp or old
+        if match is None or not _writer_gone(int(match.group(1))):
+            continue
+        path = dst.parent / name
+        if tmp or path.is_symlink() or not path.is_dir():
+            remove(path)  # remove() unlinks a symlink itself, never what it points to
+        else:
+            dead_old.append(path)
+    _settle_moved_aside(dst, dead_old)
+
+
+def _leftover_patterns(name: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    # Exactly what atomic_output/_commit create: .{name}.needle-tmp|old-{pid}-{8 hex}; the pid is group 1.
+    pid_hex = r"-([1-9][0-9]{0,9})-[0-9a-f]{8}"
+    return (re.compile(rf"\.{re.escape(name)}\.needle-tmp{pid_hex}"),
+            re.compile(rf"\.{re.escape(name)}\.needle-old{pid_hex}"))
+
+
+def _writer_gone(pid: int) -> bool:
+    """True only when no process has this pid; every doubt (no permission, odd pid) answers "alive"."""
+    # A reused pid reads as alive and its leftover stays until a later run: the safe way to be wrong.
+    # Pids are per host and per pid namespace: a writer on another machine (shared folder) or in another
+    # container writing the same name would look gone; don't aim two hosts at one output name at once.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):  # PermissionError: it exists, it's someone else's
+        return False
+    return False
+
+
+def _settle_moved_aside(dst: Path, olds: list[Path]) -> None:
+    """A dead writer's .needle-old dir holds the previous output of dst: restore it if dst is gone, else delete it."""
+    # _commit renames dst -> old, tmp -> dst, then deletes old. Killed between the two renames, dst is missing
+    # and old is the user's complete previous output: putting it back undoes the unfinished run (all or nothing),
+    # and the caller then needs --force again, as before it. Killed after the second rename, dst is the new
+    # output and old is a superseded copy (perhaps half deleted) the user asked to replace: delete it.
+    if not (dst.exists() or dst.is_symlink()) and len(olds) == 1:
+        try:
+            os.rename(olds[0], dst)  # dst checked absent just above; same folder, so atomic
+        except OSError:
+            pass  # e.g. another writer created dst meanwhile: keep the copy rather than guess
+        return
+    if not (dst.exists() or dst.is_symlink()):
+        return  # several candidates and no dst: we can't tell which is the user's latest, so delete none
+    for old in olds:
+        remove(old)
 
 
 def remove(path: Path) -> None:
