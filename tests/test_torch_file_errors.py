@@ -1,0 +1,214 @@
+"""Hostile, truncated and damaged torch .pt files: one line naming the problem and the fix, nothing run or written."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import pickle
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from convert_helpers import REPO, TINY, RunsCommand, leftovers
+from typer.testing import CliRunner
+
+import cli
+from convert.errors import CheckpointError
+from convert.formats import torch_format
+from convert.mapping import flax_to_torch, random_flax_params
+
+runner = CliRunner()
+
+FIX = r"re-download the file or re-save it with torch\.save"
+ZIP_CUT = r"truncated or damaged torch checkpoint: the zip archive is incomplete \(\d+ bytes"
+LEGACY_CUT = r"truncated or damaged torch checkpoint: the legacy \(non-zip\) file's (tensor data|pickle \d of 5) is cut"
+UNSAFE_ADVICE = re.compile(r"weights_only|trust the source|add_safe_globals", re.IGNORECASE)  # torch's hints
+
+
+class EvalsCode:
+    """A payload that makes `marker` through builtins.eval if unpickled by a stock unpickler."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return builtins.eval, (f"__import__('pathlib').Path({str(self.marker)!r}).touch()",)
+
+
+class ExecsCode(EvalsCode):
+    """The same through builtins.exec."""
+
+    def __reduce__(self):
+        return builtins.exec, (f"__import__('pathlib').Path({str(self.marker)!r}).touch()",)
+
+
+# payload class, the name our message must give (torch reports os.system by its real module, posix or nt)
+PAYLOADS = {
+    "os.system": (RunsCommand, r"(posix|nt|os)\.system"),
+    "eval": (EvalsCode, r"builtins\.eval"),
+    "exec": (ExecsCode, r"builtins\.exec"),
+}
+
+
+def _state() -> dict:
+    return flax_to_torch(random_flax_params(TINY, seed=0), TINY)
+
+
+def _save(path: Path, obj: object, legacy: bool = False) -> Path:
+    torch.save(obj, path, _use_new_zipfile_serialization=not legacy)
+    return path
+
+
+def _config(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY.to_dict()))
+    return path
+
+
+def _cut(path: Path, fraction: float) -> Path:
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[:max(1, int(size * fraction))])
+    return path
+
+
+def _read_error(src: Path) -> str:
+    """The library's message for src: one line, with none of torch's advice to load unsafely."""
+    with pytest.raises(CheckpointError) as info:
+        torch_format.read(src)
+    message = str(info.value)
+    assert "\n" not in message and not UNSAFE_ADVICE.search(message), message
+    return message
+
+
+def _cli_refuses(tmp_path: Path, src: Path, pattern: str) -> str:
+    """`python -m cli convert` as a real process: exit 2, one stderr line matching pattern, no output file."""
+    dst = tmp_path / "out.safetensors"
+    result = subprocess.run([sys.executable, "-m", "cli", "convert", str(src), str(dst), "--config",
+                             str(_config(tmp_path))], cwd=REPO, capture_output=True, text=True, timeout=120)
+    message = result.stderr.strip()
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "\n" not in message and "Traceback" not in message, message
+    assert message.startswith("error: ") and re.search(pattern, message), message
+    assert not UNSAFE_ADVICE.search(message), message
+    assert not dst.exists(), f"{dst} was written"
+    assert leftovers(tmp_path) == []
+    return message
+
+
+# ----------------------------------------------------------------------------- controls
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_untouched_file_converts(tmp_path, legacy):
+    """The files the tests below cut are valid: the same command succeeds on them whole."""
+    src = _save(tmp_path / "m.pt", _state(), legacy)
+    dst = tmp_path / "out.safetensors"
+    result = runner.invoke(cli.app, ["convert", str(src), str(dst), "--config", str(_config(tmp_path)), "--quiet"])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    assert dst.is_file()
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_payload_is_live(tmp_path, payload):
+    """A stock unpickler does run each payload, so the marker checks below can fail."""
+    marker = tmp_path / "marker"
+    pickle.loads(pickle.dumps(PAYLOADS[payload][0](marker)))
+    assert marker.exists()
+
+
+# ----------------------------------------------------------------------------- hostile files
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_hostile_file_names_the_forbidden_global(tmp_path, payload, legacy):
+    make, name = PAYLOADS[payload]
+    marker = tmp_path / "marker"
+    src = _save(tmp_path / "evil.pt", {**_state(), "x": make(marker)}, legacy)
+    message = _read_error(src)
+    assert re.search(rf"refused: its pickle references the forbidden global {name}, which would run code if the "
+                     r"file were loaded unsafely; get the weights from a trusted source", message), message
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("payload", "legacy"), [("os.system", False), ("eval", True), ("exec", False)])
+def test_hostile_file_through_cli(tmp_path, payload, legacy):
+    make, name = PAYLOADS[payload]
+    marker = tmp_path / "marker"
+    src = _save(tmp_path / "evil.pt", {**_state(), "x": make(marker)}, legacy)
+    _cli_refuses(tmp_path, src, rf"forbidden global {name}, which would run code")
+    assert not marker.exists()
+
+
+def test_unnamed_refusal_falls_back_to_a_generic_line(tmp_path):
+    """A pickle torch refuses without naming a global (opcode EXT1 here) still gets our line, not torch's advice."""
+    src = tmp_path / "odd.pt"
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02\x82\x01.")  # PROTO 2, EXT1 1, STOP: a whole pickle
+        z.writestr("archive/version", "3\n")
+    message = _read_error(src)
+    assert re.search(r"refused: its pickle holds objects beyond tensors and plain data .*could run code; re-save it",
+                     message), message
+    assert "forbidden global" not in message
+
+
+# ----------------------------------------------------------------------------- truncated and damaged files
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.99])
+def test_truncated_zip(tmp_path, fraction):
+    src = _cut(_save(tmp_path / "m.pt", _state()), fraction)
+    assert re.search(rf"{ZIP_CUT}.*; {FIX}$", _read_error(src))
+    _cli_refuses(tmp_path, src, ZIP_CUT)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.99])
+def test_truncated_legacy_file(tmp_path, fraction):
+    src = _cut(_save(tmp_path / "m.pt", _state(), legacy=True), fraction)
+    assert re.search(rf"{LEGACY_CUT}.*; {FIX}$", _read_error(src))
+    _cli_refuses(tmp_path, src, LEGACY_CUT)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_zip_cut_inside_its_magic(tmp_path, size):
+    src = _save(tmp_path / "m.pt", _state())
+    src.write_bytes(src.read_bytes()[:size])
+    assert re.search(ZIP_CUT, _read_error(src))
+
+
+def test_legacy_cut_inside_a_global_is_not_called_hostile(tmp_path):
+    """torch reads a GLOBAL cut mid-name as the unknown global "torch._u": we must say truncated, not forbidden."""
+    src = _save(tmp_path / "m.pt", _state(), legacy=True)
+    data = src.read_bytes()
+    cut = data.index(b"ctorch._utils\n") + len(b"ctorch._u")  # GLOBAL opcode "c", then "module\nname\n"
+    src.write_bytes(data[:cut])
+    message = _read_error(src)
+    assert re.search(r"legacy \(non-zip\) file's pickle 4 of 5 is cut short", message), message
+    assert "forbidden" not in message
+
+
+def test_zip_with_a_corrupt_pickle_member(tmp_path):
+    src = _save(tmp_path / "m.pt", _state())
+    data = bytearray(src.read_bytes())
+    at = data.index(b"data.pkl") + 40  # inside data.pkl's stored bytes, just past its local header
+    data[at:at + 8] = b"\xff" * 8
+    src.write_bytes(bytes(data))
+    assert re.search(rf"truncated or damaged torch checkpoint: its \S*data.pkl cannot be read \(Bad CRC-32.*{FIX}",
+                     _read_error(src))
+
+
+def test_neither_zip_nor_pickle(tmp_path):
+    src = tmp_path / "junk.pt"
+    src.write_bytes(b"hello world")
+    assert re.search(r"neither a zip archive nor a legacy torch pickle \(starts with b'hell'\)", _read_error(src))
+
+
+def test_zero_byte_file(tmp_path):
+    src = tmp_path / "empty.pt"
+    src.write_bytes(b"")
+    assert re.search(r"empty file \(0 bytes\); re-", _read_error(src))
+    _cli_refuses(tmp_path, src, r"empty file \(0 bytes\)")
