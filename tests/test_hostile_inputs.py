@@ -206,8 +206,9 @@ def test_q_proj_contradicting_d_model_is_named(tmp_path):
 def test_config_contradicting_embedding_gets_a_hint(tmp_path):
     src = tiny_pickle(tmp_path / "m.pkl")
     wrong = TINY.replace(d_model=64)
-    src2 = write_upstream_pickle(tmp_path / "w.pkl", pickle.load(open(src, "rb"))["params"],
-                                 wrong.to_dict(only_non_default=True))
+    with open(src, "rb") as f:
+        params = pickle.load(f)["params"]
+    src2 = write_upstream_pickle(tmp_path / "w.pkl", params, wrong.to_dict(only_non_default=True))
     assert_refused(tmp_path, src2, r"The embedding \(64, 32\) says d_model=32 but config.d_model=64; fix the config")
 
 
