@@ -125,7 +125,8 @@ def inspect(path: Path, config_path: Path | None = None) -> dict[str, Any]:
         "path": str(path), "format": source.format, "layout": source.layout,
         "config": config.to_dict() if config is not None else None,
         "stored_config": source.config_dict,
-        "config_origin": str(config_path) if config_path is not None else (source.config_origin or None),
+        "config_origin": (str(config_path) if config is not None else None) if config_path is not None
+        else (source.config_origin or None),
         "metadata": dict(source.metadata),
         "num_tensors": len(tensors), "num_parameters": sum(math.prod(t["shape"]) for t in tensors),
         "num_bytes": source.nbytes, "dtypes": dtypes, "check": check, "tensors": tensors,
@@ -179,24 +180,28 @@ def _json_float(x: float | None) -> float | str | None:
     return str(x)
 
 
-def _open_for_diff(path: Path, config_path: Path | None) -> tuple[Source, TransformerConfig, list[plan.Planned]]:
-    """The checkpoint's tensors in the Flax layout, plus (as stored) those its config does not know; missing
-    ones are simply absent, so the diff lists them as keys only the other side has."""
+def _open_for_diff(path: Path, config_path: Path | None) -> tuple[Source, TransformerConfig, list[plan.Planned],
+                                                                  list[plan.Planned]]:
+    """(source, config, its tensors in the Flax layout, those its config does not know as stored)."""
     source = io.open_source(path)
     config = io.resolve_config(source, _config_arg(config_path))
     view, unknown = plan.present_flax_view(source, config)
-    return source, config, view + [plan.Planned(name, source.tensors[name].shape, source.tensors[name].dtype,
-                                                (plan.Piece(source.tensors[name]),)) for name in unknown]
+    return source, config, view, unknown
 
 
 def diff(a: Path, b: Path, config_a: Path | None = None, config_b: Path | None = None) -> DiffResult:
-    """Key-level and value-level differences of two checkpoints in any formats, compared in the Flax layout."""
-    source_a, cfg_a, view_a = _open_for_diff(a, config_a)
-    source_b, cfg_b, view_b = _open_for_diff(b, config_b)
+    """Key-level and value-level differences of two checkpoints in any formats, compared in the Flax layout.
+
+    A tensor missing from one side is a key only the other has; a stacked array with layers missing on a side
+    is compared layer by layer ("name[i]") on both, so the layers there are still compared."""
+    source_a, cfg_a, view_a, unknown_a = _open_for_diff(a, config_a)
+    source_b, cfg_b, view_b, unknown_b = _open_for_diff(b, config_b)
     result = DiffResult(Path(a), Path(b), source_a.format, source_b.format)
     da, db = cfg_a.to_dict(), cfg_b.to_dict()
     result.config = {k: (da[k], db[k]) for k in da if da[k] != db[k]}
-    by_a, by_b = {p.name: p for p in view_a}, {p.name: p for p in view_b}
+    split = {p.name.split("[")[0] for p in view_a + view_b if p.name.endswith("]")}  # partly present stacks
+    by_a, by_b = ({q.name: q for p in view for q in (plan.layers(p) if p.name in split else [p])} | {
+        p.name: p for p in unknown} for view, unknown in ((view_a, unknown_a), (view_b, unknown_b)))
     result.only_a = sorted(set(by_a) - set(by_b), key=_natural)
     result.only_b = sorted(set(by_b) - set(by_a), key=_natural)
     for name in sorted(set(by_a) & set(by_b), key=_natural):

@@ -269,7 +269,7 @@ def write_source(source: Source, config: TransformerConfig, dst: str | Path, *, 
             raise NeedleTwinError(f"converting to {dst} failed: {e.strerror or e} ({e.filename or tmp}); "
                                   "nothing was written") from None
         if bad:
-            raise plan.non_finite_error(source.path, bad)
+            raise plan.non_finite_error(source.path, bad, dtype)
     return dst
 
 

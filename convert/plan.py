@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -157,24 +157,45 @@ def validate(source: Source, config: TransformerConfig, cast: np.dtype | None = 
     expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
     problems = _layer_count_problems(source, config) + entry_problems(found, expected)
     hint = _config_hint(source, config) if problems else ""  # a dtype problem is not the config's fault
-    problems += _dtype_problems(source, cast)
+    problems += _dtype_problems(source.tensors, source.layout, cast)
     if problems:
         raise CheckpointError(f"{source.path} does not match its config: " + "; ".join(problems)
                               + (f". {hint}" if hint else ""))
 
 
-def present_flax_view(source: Source, config: TransformerConfig) -> tuple[list[Planned], list[str]]:
-    """For comparing checkpoints: the Flax view of the tensors the file has, and its names the config does
-    not know. Missing tensors are left out (a diff shows them as keys only the other side has); a tensor
-    that is there but mis-shaped, or of a non-weight dtype, still fails as in `validate`."""
+def present_flax_view(source: Source, config: TransformerConfig) -> tuple[list[Planned], list[Planned]]:
+    """For comparing checkpoints: (the Flax view of the tensors the file has, the tensors its config does not
+    know, as stored). Missing tensors are left out (a diff shows them as keys only the other side has); a
+    stacked array some of whose layers are missing (a torch-layout file) comes as its present layers, named
+    "name[i]" (see `layers`). A tensor that is there but mis-shaped or not a float still fails."""
     expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
     present = {name: ref for name, ref in source.tensors.items() if name in expected}
     problems = entry_problems({name: ref.shape for name, ref in present.items()},
                               {name: expected[name] for name in present})
-    problems += [p for p in _dtype_problems(source, None) if not p.startswith("mixed dtypes")]  # a diff shows those
+    problems += _dtype_problems(present, source.layout, None, any_float=True, mixed_ok=True)  # diff compares those
     if problems:
         raise CheckpointError(f"{source.path} does not match its config: " + "; ".join(problems))
-    return flax_view(source, config, complete=False), sorted(set(source.tensors) - set(expected))
+    view = flax_view(source, config, complete=False)
+    if source.layout == TORCH:
+        complete = {p.name for p in view}
+        for rule in rules(config):
+            if rule.stack is not None and rule.flax not in complete:
+                view += [Planned(f"{rule.flax}[{i}]", flax_shape(rule, config)[1:], present[name].dtype,
+                                 (Piece(present[name]),), transpose=rule.transpose)
+                         for i, name in enumerate(torch_names(rule, config)) if name in present]
+    unknown = [Planned(name, ref.shape, ref.dtype, (Piece(ref),)) for name, ref in sorted(source.tensors.items())
+               if name not in expected]
+    return view, unknown
+
+
+def layers(planned: Planned) -> list[Planned]:
+    """A stacked Flax array as one tensor per layer, "name[i]" (to compare with a file missing some layers)."""
+    if planned.stacked:
+        return [Planned(f"{planned.name}[{i}]", planned.shape[1:], planned.dtype, (piece,), transpose=planned.transpose)
+                for i, piece in enumerate(planned.pieces)]
+    ref = planned.pieces[0].ref  # one stored (L, ...) array
+    return [Planned(f"{planned.name}[{i}]", planned.shape[1:], planned.dtype, (Piece(ref, i),))
+            for i in range(planned.shape[0])]
 
 
 def _layer_count_problems(source: Source, config: TransformerConfig) -> list[str]:
@@ -204,28 +225,35 @@ def _layer_count_problems(source: Source, config: TransformerConfig) -> list[str
     return problems
 
 
-def _dtype_problems(source: Source, cast: np.dtype | None) -> list[str]:
-    """Weights must be float32/bfloat16/float16 (any float when cast, e.g. float64 from JAX with x64), and
-    (unless cast) all in the embedding's dtype."""
+def _dtype_problems(tensors: Mapping[str, TensorRef], layout: str, cast: np.dtype | None, any_float: bool = False,
+                    mixed_ok: bool = False) -> list[str]:
+    """Weights must be float32/bfloat16/float16 (any float when cast, e.g. float64 from JAX with x64, or with
+    any_float), and (unless cast or mixed_ok) all in the embedding's dtype."""
     problems = []
-    allowed = (lambda name: name in WEIGHT_DTYPES or name.startswith("float")) if cast is not None else \
-        (lambda name: name in WEIGHT_DTYPES)
-    bad_kind = sorted(n for n, r in source.tensors.items() if not allowed(dtype_name(r.dtype)))
+    float_ok = cast is not None or any_float
+    bad_kind = sorted(n for n, r in tensors.items()
+                      if dtype_name(r.dtype) not in WEIGHT_DTYPES and not (float_ok and r.dtype.kind == "f"))
     if bad_kind:
-        problems.append("wrong dtype: " + ", ".join(f"{n} is {dtype_name(source.tensors[n].dtype)}"
-                                                    for n in bad_kind)
-                        + f" (weights must be {', '.join(WEIGHT_DTYPES)}"
-                        + ("; cast other floats with --dtype)" if cast is None and any(
-                            dtype_name(source.tensors[n].dtype).startswith("float") for n in bad_kind) else ")"))
-    anchor = source.tensors.get(EMBEDDING[source.layout])
-    if cast is None and anchor is not None and dtype_name(anchor.dtype) in WEIGHT_DTYPES:
-        mixed = sorted(n for n, r in source.tensors.items()
+        fixable = not float_ok and any(tensors[n].dtype.kind == "f" for n in bad_kind)
+        problems.append("wrong dtype: " + _by_dtype(tensors, bad_kind) + f" (weights must be {', '.join(WEIGHT_DTYPES)}"
+                        + ("; cast other floats with needle-twin convert --dtype)" if fixable else ")"))
+    anchor = tensors.get(EMBEDDING[layout])
+    if cast is None and not mixed_ok and anchor is not None and dtype_name(anchor.dtype) in WEIGHT_DTYPES:
+        mixed = sorted(n for n, r in tensors.items()
                        if r.dtype != anchor.dtype and dtype_name(r.dtype) in WEIGHT_DTYPES)
         if mixed:
-            problems.append("mixed dtypes: " + ", ".join(f"{n} is {dtype_name(source.tensors[n].dtype)}"
-                                                         for n in mixed)
-                            + f" while the embedding is {dtype_name(anchor.dtype)} (cast all with --dtype)")
+            problems.append("mixed dtypes: " + _by_dtype(tensors, mixed) + f" while the embedding is "
+                            f"{dtype_name(anchor.dtype)} (cast all with needle-twin convert --dtype)")
     return problems
+
+
+def _by_dtype(tensors: Mapping[str, TensorRef], names: list[str]) -> str:
+    """'a is float64, b is float64', or for many: '31 tensors are float64 (a, b, ...)'."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(dtype_name(tensors[n].dtype), []).append(n)
+    return ", ".join(", ".join(f"{n} is {dt}" for n in group) if len(group) <= 3 else
+                     f"{len(group)} tensors are {dt} ({', '.join(group[:2])}, ...)" for dt, group in groups.items())
 
 
 def _config_hint(source: Source, config: TransformerConfig) -> str:
@@ -246,7 +274,12 @@ def _config_hint(source: Source, config: TransformerConfig) -> str:
     return "Is the config the one this checkpoint was trained with?"
 
 
-def non_finite_error(path: object, bad: list[str]) -> CheckpointError:
+def non_finite_error(path: object, bad: list[str], cast: str | None = None) -> CheckpointError:
+    if cast is not None:  # the cast may be what overflowed: say so rather than blame the weights
+        return CheckpointError(f"{path}: NaN or Inf values in {len(bad)} tensor(s) after the cast to {cast}: "
+                               f"{', '.join(sorted(bad))}; values beyond {cast}'s range overflow to Inf (or the "
+                               "source holds NaN/Inf): cast to a wider dtype (bfloat16 or float32), or read it "
+                               "without a cast to check the source; nothing was converted")
     return CheckpointError(f"{path}: NaN or Inf values in {len(bad)} tensor(s): {', '.join(sorted(bad))}; "
                            "the weights are corrupt (diverged training?) and were not converted")
 

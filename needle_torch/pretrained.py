@@ -56,7 +56,7 @@ def from_pretrained(cls: type[SimpleAttentionNetwork], path: str | Path, dtype: 
             continue
         state[p.name] = numpy_to_torch(array).to(device) if device is not None else numpy_to_torch(array)
     if bad:
-        raise plan.non_finite_error(source.path, bad)
+        raise plan.non_finite_error(source.path, bad, name)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 

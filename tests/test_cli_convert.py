@@ -217,12 +217,41 @@ def test_diff_lists_missing_and_unknown_tensors_instead_of_refusing(tmp_path):
     result = invoke("diff", b, tmp_path / "partial.safetensors", "--config-b", cfg, "--json")
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
-    assert report["only_in_a"] == ["decoder/layers/DecoderBlock_0/cross_attn/k_proj/kernel", "probe_head/kernel"]
+    # layer 0 of the stacked kernel is gone from b: that stack is compared layer by layer (TINY: 2 decoder layers)
+    assert report["only_in_a"] == ["decoder/layers/DecoderBlock_0/cross_attn/k_proj/kernel[0]", "probe_head/kernel"]
     assert report["only_in_b"] == []
-    assert len(report["tensors"]) == len(flatten_tree(params)) - 1
+    assert len(report["tensors"]) == len(flatten_tree(params)) - 1 + 1  # the stack's row became its layer 1's
     assert all(t["status"] == "identical" for t in report["tensors"])
     text = invoke("diff", b, tmp_path / "partial.safetensors", "--config-b", cfg)
     assert text.exit_code == 1 and "probe_head/kernel" in text.stdout
+
+
+def test_diff_compares_the_layers_present_when_a_torch_file_lacks_some(tmp_path):
+    """Both sides lack layer 1 of a stacked norm and differ in layer 0: the diff says so layer by layer (not
+    'identical'); against the complete file the missing layer is a key only one side has."""
+    from safetensors.numpy import load_file, save_file
+
+    invoke("convert", tiny_pickle(tmp_path / "a.pkl"), tmp_path / "full.safetensors")
+    full = load_file(tmp_path / "full.safetensors")
+    norm = "decoder/layers/DecoderBlock_0/ZCRMSNorm_0/scale"
+    torch_norm = {i: f"decoder.layers.{i}.self_attn_norm.scale" for i in range(2)}
+    assert set(torch_norm.values()) <= set(full)
+    a = {k: v for k, v in full.items() if k != torch_norm[1]}
+    b = {**a, torch_norm[0]: (a[torch_norm[0]].astype(np.float32) + 5).astype(a[torch_norm[0]].dtype)}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(TINY.to_dict()))
+    report = json.loads(invoke("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--config-a", cfg,
+                               "--config-b", cfg, "--json").stdout)
+    rows = {t["name"]: t for t in report["tensors"]}
+    assert report["identical"] is False and rows[f"{norm}[0]"]["status"] == "values"
+    expected = np.max(np.abs(b[torch_norm[0]].astype(np.float64) - a[torch_norm[0]].astype(np.float64)))
+    assert rows[f"{norm}[0]"]["max_abs"] == float(expected) and norm not in rows
+    report = json.loads(invoke("diff", tmp_path / "full.safetensors", tmp_path / "a.safetensors", "--config-b", cfg,
+                               "--json").stdout)
+    assert report["only_in_a"] == [f"{norm}[1]"] and report["only_in_b"] == []
+    assert {t["name"]: t["status"] for t in report["tensors"]}[f"{norm}[0]"] == "identical"
 
 
 def test_sigterm_mid_conversion_leaves_nothing(tmp_path):

@@ -256,8 +256,8 @@ def test_cast_overflowing_to_inf_is_refused(tmp_path):
     params = random_flax_params(TINY, dtype="float32")
     params["log_temp"] = np.asarray(1e6, np.float32)  # beyond float16's 65504
     src = write_upstream_pickle(tmp_path / "m.pkl", params, TINY.to_dict(only_non_default=True))
-    assert_refused(tmp_path, src, r"NaN or Inf values in 1 tensor\(s\): log_temp", "out.safetensors",
-                   "--dtype", "float16")
+    assert_refused(tmp_path, src, r"NaN or Inf values in 1 tensor\(s\) after the cast to float16: log_temp; values "
+                   r"beyond float16's range overflow to Inf", "out.safetensors", "--dtype", "float16")
 
 
 # ----------------------------------------------------------------------------- never clobber

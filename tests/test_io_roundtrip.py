@@ -332,12 +332,20 @@ def test_float64_weights_need_an_explicit_cast_and_then_round_once(tmp_path):
 
     src = io.open_source(write_upstream_pickle(tmp_path / "f64.pkl", unflatten_tree(wide),
                                                TINY.to_dict(only_non_default=True)))
-    with pytest.raises(CheckpointError, match="is float64 .*cast other floats with --dtype") as e:
+    with pytest.raises(CheckpointError, match=r"\d+ tensors are float64 \(.*cast other floats with needle-twin "
+                       r"convert --dtype\)") as e:
         io.write_source(src, TINY, tmp_path / "a.safetensors")
     assert "Is the config" not in str(e.value) and not (tmp_path / "a.safetensors").exists()
     io.write_source(src, TINY, tmp_path / "b.safetensors", dtype="float32")
     back = io.read_checkpoint(tmp_path / "b.safetensors").params
     assert_trees_bit_identical(back, unflatten_tree({k: v.astype(np.float32) for k, v in wide.items()}))
+    huge = {**wide, "log_temp": np.asarray(1e6)}  # finite in float64, past float16's 65504
+    src = io.open_source(write_upstream_pickle(tmp_path / "huge.pkl", unflatten_tree(huge),
+                                               TINY.to_dict(only_non_default=True)))
+    with pytest.raises(CheckpointError, match=r"after the cast to float16: log_temp; values beyond float16's range "
+                       r"overflow to Inf .*cast to a wider dtype"):
+        io.write_source(src, TINY, tmp_path / "c.safetensors", dtype="float16")
+    assert not (tmp_path / "c.safetensors").exists()
 
 
 def test_sha256_of_a_safetensors_source(tmp_path):

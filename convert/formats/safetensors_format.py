@@ -192,7 +192,7 @@ def _difference(on_disk: Mapping[str, Any], recorded: Mapping[str, Any]) -> str:
         mine, theirs = TransformerConfig.from_dict(on_disk).to_dict(), TransformerConfig.from_dict(recorded).to_dict()
     except NeedleTwinError as e:
         return str(e)
-    return ", ".join(f"{k}: {mine[k]!r} there, {theirs[k]!r} recorded" for k in mine if mine[k] != theirs[k])
+    return "; ".join(f"{k}: {mine[k]!r} there, {theirs[k]!r} recorded" for k in mine if mine[k] != theirs[k])
 
 
 def _read_index(index_path: Path) -> dict[str, str]:
