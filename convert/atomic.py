@@ -89,18 +89,16 @@ def clean_leftovers(dst: Path) -> None:
     except OSError:
         return  # no folder (check_target will say so) or unreadable: nothing we may clean
     tmp_pattern, old_pattern = _leftover_patterns(dst.name)
-    dead_old = []
+    dead_tmps: dict[Path, int] = {}
+    dead_olds: dict[Path, int] = {}
     for name in names:
         tmp, old = tmp_pattern.fullmatch(name), old_pattern.fullmatch(name)
         match = tmp or old
-        if match is None or not _writer_gone(int(match.group(1))):
-            continue
-        path = dst.parent / name
-        if tmp or path.is_symlink() or not path.is_dir():
-            remove(path)  # remove() unlinks a symlink itself, never what it points to
-        else:
-            dead_old.append(path)
-    _settle_moved_aside(dst, dead_old)
+        if match is not None and _writer_gone(int(match.group(1))):
+            (dead_tmps if tmp else dead_olds)[dst.parent / name] = int(match.group(1))
+    _settle_moved_aside(dst, dead_olds, set(dead_tmps.values()))
+    for path in dead_tmps:
+        remove(path)  # remove() unlinks a symlink itself, never what it points to
 
 
 def _leftover_patterns(name: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
@@ -124,22 +122,24 @@ def _writer_gone(pid: int) -> bool:
     return False
 
 
-def _settle_moved_aside(dst: Path, olds: list[Path]) -> None:
-    """A dead writer's .needle-old dir holds the previous output of dst: restore it if dst is gone, else delete it."""
-    # _commit renames dst -> old, tmp -> dst, then deletes old. Killed between the two renames, dst is missing
-    # and old is the user's complete previous output: putting it back undoes the unfinished run (all or nothing),
-    # and the caller then needs --force again, as before it. Killed after the second rename, dst is the new
-    # output and old is a superseded copy (perhaps half deleted) the user asked to replace: delete it.
-    if not (dst.exists() or dst.is_symlink()) and len(olds) == 1:
+def _settle_moved_aside(dst: Path, olds: dict[Path, int], tmp_pids: set[int]) -> None:
+    """A dead writer's moved-aside previous output of dst: put it back if its swap was cut short, else delete it."""
+    # _commit (one pid) renames dst -> old, then tmp -> dst, then deletes old. Killed between the two renames,
+    # dst is missing and that pid's tmp is still there: old is the user's complete previous output, so it goes
+    # back (the unfinished run is undone, all or nothing; the caller needs --force again, as before it). In any
+    # other case (dst there, or no tmp of that pid: the swap was done) old is a superseded copy, perhaps half
+    # deleted, that the user asked to replace: it goes. A symlinked dst was moved aside as the link: same rules.
+    missing = not (dst.exists() or dst.is_symlink())
+    cut_short = [path for path, pid in olds.items() if pid in tmp_pids] if missing else []
+    keep = set(cut_short)  # several cut-short swaps: we can't tell which is the user's latest, so keep them all
+    if len(cut_short) == 1:
         try:
-            os.rename(olds[0], dst)  # dst checked absent just above; same folder, so atomic
+            os.rename(cut_short[0], dst)  # dst checked absent just above; same folder, so atomic
         except OSError:
             pass  # e.g. another writer created dst meanwhile: keep the copy rather than guess
-        return
-    if not (dst.exists() or dst.is_symlink()):
-        return  # several candidates and no dst: we can't tell which is the user's latest, so delete none
-    for old in olds:
-        remove(old)
+    for path in olds:
+        if path not in keep:
+            remove(path)
 
 
 def remove(path: Path) -> None:

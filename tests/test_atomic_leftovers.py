@@ -93,7 +93,7 @@ def test_leftovers_are_cleaned_even_by_a_write_that_then_fails(tmp_path):
 
 
 def test_symlinked_leftover_is_unlinked_never_followed(tmp_path):
-    dead = dead_pid()
+    dead, other_dead = dead_pid(), dead_pid()
     outside = tmp_path / "outside"
     outside.mkdir()
     precious_file = make_file(outside / "precious.bin", b"keep me")
@@ -101,7 +101,7 @@ def test_symlinked_leftover_is_unlinked_never_followed(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     links = [out / f".m.pkl.needle-tmp-{dead}-11111111", out / f".m.pkl.needle-tmp-{dead}-22222222",
-             out / f".m.pkl.needle-old-{dead}-33333333"]
+             out / f".m.pkl.needle-old-{other_dead}-33333333"]  # no tmp of its pid: its swap was done
     links[0].symlink_to(precious_file)
     links[1].symlink_to(precious_dir, target_is_directory=True)
     links[2].symlink_to(precious_dir, target_is_directory=True)
@@ -175,12 +175,37 @@ def test_live_swap_is_left_alone(tmp_path):
 
 
 def test_several_dead_swaps_and_no_dst_keep_every_candidate(tmp_path):
-    dead = dead_pid()
-    moved = [make_dir(tmp_path / f".hf.needle-old-{dead}-abcdef0{i}") for i in range(2)]
+    dead = [dead_pid(), dead_pid()]
+    moved = [make_dir(tmp_path / f".hf.needle-old-{pid}-abcdef0{i}") for i, pid in enumerate(dead)]
+    for i, pid in enumerate(dead):  # both swaps cut short: their new outputs are still there too
+        make_dir(tmp_path / f".hf.needle-tmp-{pid}-abcdef1{i}")
     with atomic.atomic_output(tmp_path / "hf", force=False, directory=True) as tmp:
         tmp.mkdir()
         (tmp / "config.json").write_text("{}")
     assert all(p.is_dir() for p in moved)  # can't tell which was the latest output: delete neither
+
+
+def test_moved_aside_copy_of_a_finished_swap_is_never_restored(tmp_path):
+    """No tmp of its pid left means its swap completed: the copy is superseded even when dst is gone since
+    (the user deleted it), and must not come back as if it were the user's output."""
+    dead = dead_pid()
+    moved = make_dir(tmp_path / f".hf.needle-old-{dead}-abcdef01")
+    with atomic.atomic_output(tmp_path / "hf", force=False, directory=True) as tmp:
+        tmp.mkdir()
+        (tmp / "config.json").write_text("{}")
+    assert not moved.exists() and (tmp_path / "hf" / "config.json").read_text() == "{}"
+
+
+def test_symlinked_output_cut_short_mid_swap_comes_back_as_the_link(tmp_path):
+    dead = dead_pid()
+    real = make_dir(tmp_path / "real_ckpt")
+    make_dir(tmp_path / f".hf.needle-tmp-{dead}-abcdef02")  # the new output, never renamed into place
+    (tmp_path / f".hf.needle-old-{dead}-abcdef01").symlink_to(real, target_is_directory=True)
+    with pytest.raises(atomic.OutputExistsError, match="pass --force"), \
+            atomic.atomic_output(tmp_path / "hf", force=False, directory=True):
+        pytest.fail("the restored output must be protected like any existing output")
+    assert (tmp_path / "hf").is_symlink() and (tmp_path / "hf").resolve() == real.resolve()
+    assert leftovers(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------- CLI, real processes
