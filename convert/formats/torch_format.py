@@ -7,6 +7,7 @@ import pickle
 import pickletools
 import re
 import struct
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,8 +32,10 @@ def read(path: Path) -> Source:
         raise CheckpointError(f"{path} is a torch file; reading it needs torch (pip install 'needle-twin[torch]')") \
             from None
     try:
-        # weights_only: torch's own allowlist unpickler, so a hostile .pt cannot run code.
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
+        with warnings.catch_warnings():  # its protocol 4+ notice would break our one-line error on stderr
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            # weights_only: torch's own allowlist unpickler, so a hostile .pt cannot run code.
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, OSError, EOFError... for bad files
         raise _load_error(path, e) from None
     state, config = _split(obj, path)
@@ -52,78 +55,150 @@ def _is_zip(path: Path) -> bool:
 
 
 def _load_error(path: Path, e: Exception) -> CheckpointError:
-    """Our one-line error for a failed torch.load: damage first (a cut-off pickle fakes odd globals), then safety."""
-    damage = _damage(path, e)
+    """Our one-line error for a failed torch.load: a global seen in a whole pickle, else damage, else torch's reason."""
+    seen, damage = _survey(path, e)
+    named = _forbidden_global(str(e)) if isinstance(e, pickle.UnpicklingError) else None
+    # A code-running global in a pickle that decodes whole is proof enough; torch names none for protocol 4+ pickles.
+    hostile = sorted(name for name in seen if _runs_code(name))
+    if hostile or named in seen:  # only a whole pickle's global is real: one cut mid-name fakes "torch._u"
+        return _refused(path, hostile[0] if hostile else named)
     if damage:
         return CheckpointError(f"{path}: truncated or damaged torch checkpoint: {damage}; re-download the file or "
                                "re-save it with torch.save")
+    if named:  # the file is whole, yet no GLOBAL spells the name (torch's "reduce for unrecognized function ...")
+        return _refused(path, named)
     if isinstance(e, pickle.UnpicklingError):
-        name = _forbidden_global(str(e))
-        if name:
-            return CheckpointError(f"{path}: refused: its pickle references the forbidden global {name}, which "
-                                   "would run code if the file were loaded unsafely; get the weights from a trusted "
-                                   "source, ideally as .safetensors")
         detail = _torch_detail(str(e))
-        return CheckpointError(f"{path}: refused: its pickle holds objects beyond tensors and plain data"
-                               f"{f' ({detail})' if detail else ''}, so loading it unsafely could run code; "
-                               "re-save it as a plain state_dict of tensors or as .safetensors")
+        return CheckpointError(f"{path}: refused: its pickle holds objects or opcodes torch's weights-only loader does "
+                               f"not read{f' ({detail})' if detail else ''}; {_RESAVE}")
     return CheckpointError(f"{path}: torch.load cannot read this file ({type(e).__name__}: {_torch_detail(str(e))}); "
                            "re-download the file or re-save it with torch.save")
 
 
-def _damage(path: Path, e: Exception) -> str | None:
-    """What is cut off or broken in a torch file's container, or None when its structure is whole."""
-    size = path.stat().st_size
+_RESAVE = "re-save only the state_dict (torch.save(model.state_dict(), path)) or convert it to .safetensors"
+
+
+def _refused(path: Path, name: str) -> CheckpointError:
+    """Refusal naming the global: hostile wording only for globals known to run code, not for argparse/numpy objects."""
+    if _runs_code(name):
+        return CheckpointError(f"{path}: refused: its pickle references the forbidden global {name}, which would run "
+                               "code if the file were loaded unsafely; get the weights from a trusted source, ideally "
+                               "as .safetensors")
+    return CheckpointError(f"{path}: refused: its pickle holds objects torch's weights-only loader does not build "
+                           f"(global {name}); {_RESAVE}")
+
+
+# Globals that run code or commands when called: a small explicit list (whole modules, or module.name).
+_RUNS_CODE = frozenset({
+    "subprocess", "runpy", "importlib", "shutil", "socket", "webbrowser", "ctypes", "pty",
+    *(f"{module}.{name}" for module in ("pickle", "_pickle", "marshal") for name in ("load", "loads")),
+    *(f"builtins.{name}" for name in ("eval", "exec", "compile", "__import__", "getattr", "setattr", "open",
+                                      "breakpoint")),
+})
+_OS_RUNS_CODE = re.compile(r"(os|posix|nt)\.(system|popen|exec\w*|spawn\w*)$")
+
+
+def _runs_code(name: str) -> bool:
+    return name in _RUNS_CODE or name.split(".")[0] in _RUNS_CODE or bool(_OS_RUNS_CODE.match(name))
+
+
+def _survey(path: Path, e: Exception) -> tuple[set[str], str | None]:
+    """(globals named by the file's pickles that decode whole, what is cut off or broken or None); builds nothing."""
     with open(path, "rb") as f:
         head = f.read(4)
     if head == _ZIP_MAGIC or (len(head) < 4 and _ZIP_MAGIC.startswith(head)):
-        return _zip_damage(path, size)
-    if head[:1] == b"\x80":
-        return _legacy_damage(path, size, e)
-    return f"it is neither a zip archive nor a legacy torch pickle (starts with {head!r})"
+        return _zip_survey(path)
+    return _legacy_survey(path, head, e)
 
 
-def _zip_damage(path: Path, size: int) -> str | None:
+def _zip_survey(path: Path) -> tuple[set[str], str | None]:
+    size = path.stat().st_size
     try:
         archive = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
         # A cut-off zip loses its central directory, which sits at the very end of the file.
-        return f"the zip archive is incomplete ({size} bytes, its central directory at the end is missing)"
+        return set(), f"the zip archive is incomplete ({size} bytes, its central directory at the end is missing)"
     except (OSError, ValueError, EOFError, struct.error) as e:  # zipfile's other complaints about mangled records
-        return f"the zip archive is corrupt ({type(e).__name__}: {one_line(e, 80)})"
+        return set(), f"the zip archive is corrupt ({type(e).__name__}: {one_line(e, 80)})"
     with archive:
-        pkl = next((n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")), None)
-        if pkl is None:
-            return "the zip archive has no data.pkl, so torch.save did not write it"
+        info = next((i for i in archive.infolist() if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")),
+                    None)
+        if info is None:
+            return set(), "the zip archive has no data.pkl, so torch.save did not write it"
+        # torch.save stores data.pkl uncompressed and small: never inflate (a zip bomb) nor read a huge one.
+        if info.compress_type != zipfile.ZIP_STORED or max(info.file_size, info.compress_size) > _MAX_PICKLE:
+            return set(), None
         try:
-            data = archive.read(pkl)  # the pickle only (tensor bytes live in other members): small
+            data = archive.read(info)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError) as e:
-            return f"its {pkl} cannot be read ({one_line(e, 80)})"
-    broken = _pickle_break(io.BytesIO(data))
-    return f"its {pkl} is cut short or corrupt ({broken})" if broken else None
+            return set(), f"its {info.filename} cannot be read ({one_line(e, 80)})"
+    seen, broken = _scan(_Bounded(io.BytesIO(data), len(data)))
+    return (set(), f"its {info.filename} is cut short or corrupt ({broken})") if broken else (seen, None)
 
 
-def _legacy_damage(path: Path, size: int, e: Exception) -> str | None:
+def _legacy_survey(path: Path, head: bytes, e: Exception) -> tuple[set[str], str | None]:
+    size, seen = path.stat().st_size, set()
     with open(path, "rb") as f:
+        stream = _Bounded(f, size)
         for i in range(_LEGACY_PICKLES):
-            broken = _pickle_break(f)
+            names, broken = _scan(stream)
+            # Protocol 2+ pickles open with PROTO (0x80); protocol 0-1 ones are told by decoding the first.
+            if broken and i == 0 and head[:1] != b"\x80":
+                return seen, f"it is neither a zip archive nor a legacy torch pickle (starts with {head!r})"
             if broken:
-                return f"the legacy (non-zip) file's pickle {i + 1} of {_LEGACY_PICKLES} is cut short or corrupt " \
-                       f"({broken}; {size} bytes in all)"
+                return seen, f"the legacy (non-zip) file's pickle {i + 1} of {_LEGACY_PICKLES} is cut short or " \
+                             f"corrupt ({broken}; {size} bytes in all)"
+            seen |= names
     # The pickles are whole: a short read past them means the raw tensor bytes are cut off.
     if isinstance(e, (EOFError, struct.error)) or "unexpected EOF" in str(e):
-        return f"the legacy (non-zip) file's tensor data is cut short ({size} bytes)"
-    return None
+        return seen, f"the legacy (non-zip) file's tensor data is cut short ({size} bytes)"
+    return seen, None
 
 
-def _pickle_break(stream: BinaryIO) -> str | None:
-    """Why the pickle at `stream` is incomplete or malformed, or None; decodes opcodes only, never builds objects."""
+_MAX_PICKLE = 256 << 20  # bytes; torch.save's data.pkl holds keys and storage ids only, far below this
+_MAX_LINE = 1 << 20  # bytes; a text opcode's argument (a global's name, a decimal) is never near this long
+_STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
+_MEMO_OPS = frozenset({"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"})  # store the top of the stack, push nothing
+_OLD_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}  # protocol 0-2 spellings, as torch reports them
+
+
+class _Bounded:
+    """A binary stream that never asks for more bytes than remain, so a crafted length cannot allocate terabytes."""
+
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self.f, self.size = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self.size - self.f.tell())
+        return self.f.read(left if n < 0 else min(n, left))
+
+    def readline(self) -> bytes:
+        return self.f.readline(_MAX_LINE)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
+def _scan(stream: _Bounded) -> tuple[set[str], str | None]:
+    """(globals the pickle at stream names, why it is incomplete or malformed or None); decodes opcodes only."""
+    seen: set[str] = set()
+    pushed: list[str | None] = [None, None]  # the last two pushes, for STACK_GLOBAL's module and name
     try:
-        for _ in pickletools.genops(stream):
-            pass
-    except ValueError as e:  # genops' only complaint: truncated argument, missing STOP, unknown opcode
-        return one_line(e, 80)
-    return None
+        for op, arg, _ in pickletools.genops(stream):
+            if op.name == "GLOBAL":
+                seen.add(_global(*arg.split(" ", 1)))
+            elif op.name == "STACK_GLOBAL" and None not in pushed:
+                seen.add(_global(*pushed))
+            if op.name not in _MEMO_OPS:
+                pushed = [pushed[1], arg if op.name in _STRING_OPS else None]
+    # genops' complaints (truncated argument, missing STOP, unknown opcode, bad text), plus what garbage can provoke
+    except (ValueError, EOFError, MemoryError, OverflowError, struct.error) as e:
+        return seen, one_line(e, 80) or type(e).__name__
+    return seen, None
+
+
+def _global(module: str, name: str) -> str:
+    return f"{_OLD_MODULES.get(module, module)}.{name}"
 
 
 _GLOBAL_PATTERNS = (
