@@ -118,22 +118,30 @@ def test_byte_identical_through_small_bands_and_write_blocks(tmp_path, monkeypat
     assert (tmp_path / "m.msgpack.pkl").read_bytes() == default[".pkl"]
 
 
+def failing_pwrite(monkeypatch, call: int, code: int) -> list[int]:
+    """The sink's pwrite fails with OSError(code) on its `call`-th call; returns the offsets of every call."""
+    from convert import sink
+
+    real_pwrite, calls = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == call:
+            raise OSError(code, os.strerror(code))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(sink.os, "pwrite", pwrite)
+    return calls
+
+
 def test_direct_io_refused_mid_file_falls_back_to_buffered_writes(tmp_path, monkeypatch):
     """A filesystem that accepts O_DIRECT at open but rejects the writes (EINVAL) still gets the whole file."""
     import errno
 
     from convert import sink
 
-    real_pwrite, calls = os.pwrite, []
-
-    def picky_pwrite(fd, data, offset):
-        calls.append(offset)
-        if len(calls) == 1:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-
+    calls = failing_pwrite(monkeypatch, 1, errno.EINVAL)
     monkeypatch.setattr(sink, "_BLOCK", 2 * sink._ALIGN)
-    monkeypatch.setattr(sink.os, "pwrite", picky_pwrite)
     payload = np.arange(5000, dtype=np.float32)  # 20,000 bytes: two full blocks and a tail
     sink.write_file(tmp_path / "out.bin", [b"head", Planned_of("x", payload), b"tail"])
     assert (tmp_path / "out.bin").read_bytes() == b"head" + payload.tobytes() + b"tail"
@@ -147,16 +155,8 @@ def test_full_disk_mid_file_leaves_nothing_and_says_so(tmp_path, monkeypatch):
 
     from convert import sink
 
-    real_pwrite, calls = os.pwrite, []
-
-    def full_disk(fd, data, offset):
-        calls.append(offset)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, offset)
-
+    calls = failing_pwrite(monkeypatch, 2, errno.ENOSPC)
     monkeypatch.setattr(sink, "_BLOCK", sink._ALIGN)  # ~120 KB fixture: ~30 blocks
-    monkeypatch.setattr(sink.os, "pwrite", full_disk)
     src = io.open_source(FIXTURE_PKL)
     with pytest.raises(NeedleTwinError, match=r"m\.safetensors failed: No space left on device.*nothing was written"):
         io.write_source(src, io.resolve_config(src), tmp_path / "m.safetensors")
