@@ -34,8 +34,9 @@ from convert.tensors import WEIGHT_DTYPES, TensorRef, dtype_name, map_span
 
 EMBEDDING = {FLAX: "embedding/embedding", TORCH: "embedding.weight"}
 PART_BYTES = 8 * 2**20  # largest band of rows a writer makes at once
-# A transpose's band of output rows reads a band of source columns: strided rows, measured ~1.5x the CPU of a
-# whole 2048x2048 float16 piece. So pieces are transposed whole up to this size (32 MiB: 4096x4096 float16).
+# A transpose's band of output rows reads a band of source columns (strided rows): on the benchmark, 4 MiB
+# bands of its 2048x2048 float16 pieces cost 2.2-2.8 CPU-s against 1.7-2.1 whole. So pieces are transposed
+# whole up to this size (32 MiB: 4096x4096 float16).
 TRANSPOSE_PART_BYTES = 32 * 2**20
 
 
