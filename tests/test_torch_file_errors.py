@@ -276,6 +276,26 @@ def test_zip_pickle_is_not_inflated_or_read_whole(tmp_path, monkeypatch, case):
     assert "data.pkl" not in message and "version" in message, message  # torch's own reason, not ours
 
 
+def test_zip_bomb_is_refused_before_torch_inflates_it(tmp_path, monkeypatch):
+    """A deflated member claiming more than the limit never reaches torch.load (which would inflate it whole)."""
+    monkeypatch.setattr(torch_format, "_MAX_PICKLE", 1 << 19)  # bytes; stands in for 256 MiB, below this 1 MiB
+    src = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(src, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/version", b"3\n")  # what makes torch.load go on to inflate data.pkl
+        z.writestr("archive/data.pkl", b"\x80\x02}q\x00." + b"\x00" * (1 << 20))
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load must not see a zip bomb"))
+    message = _read_error(src)
+    monkeypatch.setattr(torch, "load", real_load)
+    assert re.search(r"refused: archive/data\.pkl is compressed and would inflate to 1,048,582 bytes from [\d,]+ "
+                     r"\(torch.save never compresses\)", message), message
+    stored = tmp_path / "stored.pt"  # the same bytes stored, as torch.save writes them: not a bomb
+    with zipfile.ZipFile(stored, "w") as z:
+        z.writestr("archive/version", b"3\n")
+        z.writestr("archive/data.pkl", b"\x80\x02}q\x00." + b"\x00" * (1 << 20))
+    assert torch_format.read(stored).tensors == {}  # torch reads its pickle ({}) and ignores the padding
+
+
 @pytest.mark.parametrize("namespace", [False, True], ids=["plain", "namespace"])
 def test_legacy_protocol_1_file_is_not_called_damaged(tmp_path, namespace):
     """torch's weights-only loader cannot read protocol-1 pickles (LONG, operand 76); the file is whole, not cut."""
