@@ -22,9 +22,11 @@ class OutputExistsError(NeedleTwinError):
 
 
 def check_target(dst: Path, *, force: bool, directory: bool) -> None:
-    """Fail before any work if writing dst would clobber something we may not replace."""
+    """Fail before any work if writing dst would clobber something we may not replace (a killed writer's
+    leftovers are settled first: a previous output it had moved aside counts as dst when it comes back)."""
     if not dst.parent.is_dir():
         raise NeedleTwinError(f"{dst.parent} does not exist; create the output folder first")
+    clean_leftovers(dst)
     if not (dst.exists() or dst.is_symlink()):
         return
     if not force:
@@ -45,9 +47,8 @@ def _replaceable_directory(path: Path) -> bool:
 def atomic_output(dst: Path, *, force: bool, directory: bool = False) -> Iterator[Path]:
     """Yield a not-yet-existing temporary path beside dst; on success it replaces dst, on any failure it vanishes."""
     dst = Path(dst)
-    clean_leftovers(dst)  # first: a restored previous output must count as "dst exists" for the check below
     check_target(dst, force=force, directory=directory)
-    tmp = dst.parent / f".{dst.name}.needle-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = _aside(dst, "tmp")
     try:
         yield tmp
         if not tmp.exists():
@@ -62,8 +63,7 @@ def _commit(tmp: Path, dst: Path, *, force: bool) -> None:
     # Re-check: dst may have appeared while we were writing.
     check_target(dst, force=force, directory=tmp.is_dir())
     if tmp.is_dir() and dst.is_dir():
-        # The pid lets a later run tell a killed swap (writer gone) from one in progress (see clean_leftovers).
-        old = dst.parent / f".{dst.name}.needle-old-{os.getpid()}-{secrets.token_hex(4)}"
+        old = _aside(dst, "old")
         os.rename(dst, old)
         try:
             os.rename(tmp, dst)
@@ -87,25 +87,26 @@ def clean_leftovers(dst: Path) -> None:
         with os.scandir(dst.parent) as entries:  # one listdir, whatever else the folder holds
             names = [entry.name for entry in entries]
     except OSError:
-        return  # no folder (check_target will say so) or unreadable: nothing we may clean
-    tmp_pattern, old_pattern = _leftover_patterns(dst.name)
-    dead_tmps: dict[Path, int] = {}
-    dead_olds: dict[Path, int] = {}
+        return  # unreadable folder: nothing we may clean
+    dead: dict[str, dict[Path, int]] = {"tmp": {}, "old": {}}
     for name in names:
-        tmp, old = tmp_pattern.fullmatch(name), old_pattern.fullmatch(name)
-        match = tmp or old
-        if match is not None and _writer_gone(int(match.group(1))):
-            (dead_tmps if tmp else dead_olds)[dst.parent / name] = int(match.group(1))
-    _settle_moved_aside(dst, dead_olds, set(dead_tmps.values()))
-    for path in dead_tmps:
-        remove(path)  # remove() unlinks a symlink itself, never what it points to
+        m = _ASIDE.fullmatch(name)
+        if m is not None and m["name"] == dst.name and _writer_gone(int(m["pid"])):
+            dead[m["kind"]][dst.parent / name] = int(m["pid"])
+    dead_tmps, dead_olds = dead["tmp"], dead["old"]
+    kept = _settle_moved_aside(dst, dead_olds, set(dead_tmps.values()))
+    for path, pid in dead_tmps.items():
+        if pid not in kept:  # a kept copy's tmp stays too: it is what marks that swap as cut short
+            remove(path)  # remove() unlinks a symlink itself, never what it points to
 
 
-def _leftover_patterns(name: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
-    # Exactly what atomic_output/_commit create: .{name}.needle-tmp|old-{pid}-{8 hex}; the pid is group 1.
-    pid_hex = r"-([1-9][0-9]{0,9})-[0-9a-f]{8}"
-    return (re.compile(rf"\.{re.escape(name)}\.needle-tmp{pid_hex}"),
-            re.compile(rf"\.{re.escape(name)}\.needle-old{pid_hex}"))
+def _aside(dst: Path, kind: str) -> Path:
+    """A hidden name beside dst for a temporary output ("tmp") or a moved-aside previous one ("old"); the pid
+    lets a later run tell a killed writer's leftover from one in progress (see clean_leftovers)."""
+    return dst.parent / f".{dst.name}.needle-{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+_ASIDE = re.compile(r"\.(?P<name>.+)\.needle-(?P<kind>tmp|old)-(?P<pid>[1-9][0-9]{0,9})-[0-9a-f]{8}")  # _aside's names
 
 
 def _writer_gone(pid: int) -> bool:
@@ -122,8 +123,9 @@ def _writer_gone(pid: int) -> bool:
     return False
 
 
-def _settle_moved_aside(dst: Path, olds: dict[Path, int], tmp_pids: set[int]) -> None:
-    """A dead writer's moved-aside previous output of dst: put it back if its swap was cut short, else delete it."""
+def _settle_moved_aside(dst: Path, olds: dict[Path, int], tmp_pids: set[int]) -> set[int]:
+    """A dead writer's moved-aside previous output of dst: put it back if its swap was cut short, else delete it.
+    Returns the pids of the copies left in place."""
     # _commit (one pid) renames dst -> old, then tmp -> dst, then deletes old. Killed between the two renames,
     # dst is missing and that pid's tmp is still there: old is the user's complete previous output, so it goes
     # back (the unfinished run is undone, all or nothing; the caller needs --force again, as before it). In any
@@ -140,6 +142,7 @@ def _settle_moved_aside(dst: Path, olds: dict[Path, int], tmp_pids: set[int]) ->
     for path in olds:
         if path not in keep:
             remove(path)
+    return {olds[path] for path in keep if path.exists() or path.is_symlink()}
 
 
 def remove(path: Path) -> None:
