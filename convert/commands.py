@@ -180,13 +180,24 @@ def _json_float(x: float | None) -> float | str | None:
     return str(x)
 
 
-def _open_for_diff(path: Path, config_path: Path | None) -> tuple[Source, TransformerConfig, list[plan.Planned],
-                                                                  list[plan.Planned]]:
-    """(source, config, its tensors in the Flax layout, those its config does not know as stored)."""
-    source = io.open_source(path)
-    config = io.resolve_config(source, _config_arg(config_path))
-    view, unknown = plan.present_flax_view(source, config)
-    return source, config, view, unknown
+@dataclass
+class _DiffSide:
+    source: Source
+    config: TransformerConfig
+    view: list[plan.Planned]  # whole Flax tensors present
+    partial: dict[str, list[plan.Planned]]  # stacks with layers missing: their present layers
+    unknown: list[plan.Planned]  # tensors the config does not know, as stored
+
+    @classmethod
+    def open(cls, path: Path, config_path: Path | None) -> _DiffSide:
+        source = io.open_source(path)
+        config = io.resolve_config(source, _config_arg(config_path))
+        return cls(source, config, *plan.present_flax_view(source, config))
+
+    def by_name(self, split: set[str]) -> dict[str, plan.Planned]:
+        """Every tensor by its compared name: the stacks in `split` layer by layer ("name[i]")."""
+        whole = [q for p in self.view for q in (plan.layers(p) if p.name in split else [p])]
+        return {p.name: p for p in whole + [q for qs in self.partial.values() for q in qs] + self.unknown}
 
 
 def diff(a: Path, b: Path, config_a: Path | None = None, config_b: Path | None = None) -> DiffResult:
@@ -194,14 +205,12 @@ def diff(a: Path, b: Path, config_a: Path | None = None, config_b: Path | None =
 
     A tensor missing from one side is a key only the other has; a stacked array with layers missing on a side
     is compared layer by layer ("name[i]") on both, so the layers there are still compared."""
-    source_a, cfg_a, view_a, unknown_a = _open_for_diff(a, config_a)
-    source_b, cfg_b, view_b, unknown_b = _open_for_diff(b, config_b)
-    result = DiffResult(Path(a), Path(b), source_a.format, source_b.format)
-    da, db = cfg_a.to_dict(), cfg_b.to_dict()
+    side_a, side_b = _DiffSide.open(a, config_a), _DiffSide.open(b, config_b)
+    result = DiffResult(Path(a), Path(b), side_a.source.format, side_b.source.format)
+    da, db = side_a.config.to_dict(), side_b.config.to_dict()
     result.config = {k: (da[k], db[k]) for k in da if da[k] != db[k]}
-    split = {p.name.split("[")[0] for p in view_a + view_b if p.name.endswith("]")}  # partly present stacks
-    by_a, by_b = ({q.name: q for p in view for q in (plan.layers(p) if p.name in split else [p])} | {
-        p.name: p for p in unknown} for view, unknown in ((view_a, unknown_a), (view_b, unknown_b)))
+    split = set(side_a.partial) | set(side_b.partial)
+    by_a, by_b = side_a.by_name(split), side_b.by_name(split)
     result.only_a = sorted(set(by_a) - set(by_b), key=_natural)
     result.only_b = sorted(set(by_b) - set(by_a), key=_natural)
     for name in sorted(set(by_a) & set(by_b), key=_natural):

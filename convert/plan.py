@@ -114,13 +114,12 @@ class Planned:
         """
         shape = self.shape[1:] if self.stacked else self.shape
         nbytes = math.prod(shape) * self.dtype.itemsize
+        limit = TRANSPOSE_PART_BYTES if self.transpose else PART_BYTES
+        bands: list[tuple[int, int | None]] = [(0, None)]
+        if nbytes > limit:  # so shape has rows, each of >= 1 byte
+            rows = max(1, limit // (nbytes // shape[0]))
+            bands = [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
         for piece in self.pieces:
-            limit = TRANSPOSE_PART_BYTES if self.transpose else PART_BYTES
-            if len(shape) < 1 or nbytes <= limit:
-                bands = [(0, None)]
-            else:
-                rows = max(1, limit // max(1, nbytes // shape[0]))
-                bands = [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
             for start, stop in bands:
                 band = shape if stop is None else (stop - start, *shape[1:])
                 yield math.prod(band) * self.dtype.itemsize, partial(self._make_part, piece, start, stop, band)
@@ -137,15 +136,15 @@ class Planned:
 
     def array(self) -> np.ndarray:
         """The tensor as a C-contiguous array of its own (or the in-memory source, when nothing changes)."""
-        if not self.stacked and not self.transpose:
-            source = self.pieces[0].load()
-            if source.dtype == self.dtype and source.flags.c_contiguous and source.shape == self.shape:
-                return source
+        if self.stacked or self.transpose or self.pieces[0].ref.span is not None:
             out = np.empty(self.shape, self.dtype)
-            copy_into(out, source)  # a cast: from the copy already read
+            self.fill(out)  # from the mapped file once, straight into out
             return out
+        source = self.pieces[0].load()  # in memory (or read by its own reader): once
+        if source.dtype == self.dtype and source.flags.c_contiguous and source.shape == self.shape:
+            return source
         out = np.empty(self.shape, self.dtype)
-        self.fill(out)
+        copy_into(out, source)  # a cast
         return out
 
 
@@ -158,45 +157,51 @@ def validate(source: Source, config: TransformerConfig, cast: np.dtype | None = 
     expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
     problems = _layer_count_problems(source, config) + entry_problems(found, expected)
     hint = _config_hint(source, config) if problems else ""  # a dtype problem is not the config's fault
-    problems += _dtype_problems(source.tensors, source.layout, cast)
+    problems += _dtype_problems(source.tensors, source.layout, lenient=cast is not None)
     if problems:
         raise CheckpointError(f"{source.path} does not match its config: " + "; ".join(problems)
                               + (f". {hint}" if hint else ""))
 
 
-def present_flax_view(source: Source, config: TransformerConfig) -> tuple[list[Planned], list[Planned]]:
-    """For comparing checkpoints: (the Flax view of the tensors the file has, the tensors its config does not
-    know, as stored). Missing tensors are left out (a diff shows them as keys only the other side has); a
-    stacked array some of whose layers are missing (a torch-layout file) comes as its present layers, named
-    "name[i]" (see `layers`). A tensor that is there but mis-shaped or not a float still fails."""
+def present_flax_view(source: Source, config: TransformerConfig
+                      ) -> tuple[list[Planned], dict[str, list[Planned]], list[Planned]]:
+    """For comparing checkpoints: (the Flax view of the tensors the file has, the stacked arrays some of whose
+    layers are missing (a torch-layout file) as their present layers, the tensors its config does not know as
+    stored). Missing tensors are left out (a diff shows them as keys only the other side has); a tensor that
+    is there but mis-shaped or not a float still fails."""
     expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
     present = {name: ref for name, ref in source.tensors.items() if name in expected}
     problems = entry_problems({name: ref.shape for name, ref in present.items()},
                               {name: expected[name] for name in present})
-    problems += _dtype_problems(present, source.layout, None, any_float=True, mixed_ok=True)  # diff compares those
+    problems += _dtype_problems(present, source.layout, lenient=True)  # a diff compares any floats
     if problems:
         raise CheckpointError(f"{source.path} does not match its config: " + "; ".join(problems))
     view = flax_view(source, config, complete=False)
+    partial: dict[str, list[Planned]] = {}
     if source.layout == TORCH:
         complete = {p.name for p in view}
         for rule in rules(config):
             if rule.stack is not None and rule.flax not in complete:
-                view += [Planned(f"{rule.flax}[{i}]", flax_shape(rule, config)[1:], present[name].dtype,
-                                 (Piece(present[name]),), transpose=rule.transpose)
-                         for i, name in enumerate(torch_names(rule, config)) if name in present]
+                partial[rule.flax] = [_layer(rule.flax, i, flax_shape(rule, config)[1:], present[name].dtype,
+                                             Piece(present[name]), rule.transpose)
+                                      for i, name in enumerate(torch_names(rule, config)) if name in present]
     unknown = [Planned(name, ref.shape, ref.dtype, (Piece(ref),)) for name, ref in sorted(source.tensors.items())
                if name not in expected]
-    return view, unknown
+    return view, partial, unknown
 
 
 def layers(planned: Planned) -> list[Planned]:
     """A stacked Flax array as one tensor per layer, "name[i]" (to compare with a file missing some layers)."""
     if planned.stacked:
-        return [Planned(f"{planned.name}[{i}]", planned.shape[1:], planned.dtype, (piece,), transpose=planned.transpose)
-                for i, piece in enumerate(planned.pieces)]
-    ref = planned.pieces[0].ref  # one stored (L, ...) array
-    return [Planned(f"{planned.name}[{i}]", planned.shape[1:], planned.dtype, (Piece(ref, i),))
-            for i in range(planned.shape[0])]
+        pieces = planned.pieces
+    else:  # one stored (L, ...) array
+        pieces = tuple(Piece(planned.pieces[0].ref, i) for i in range(planned.shape[0]))
+    return [_layer(planned.name, i, planned.shape[1:], planned.dtype, piece, planned.transpose)
+            for i, piece in enumerate(pieces)]
+
+
+def _layer(name: str, i: int, shape: tuple[int, ...], dtype: np.dtype, piece: Piece, transpose: bool) -> Planned:
+    return Planned(f"{name}[{i}]", shape, dtype, (piece,), transpose=transpose)
 
 
 def _layer_count_problems(source: Source, config: TransformerConfig) -> list[str]:
@@ -226,20 +231,18 @@ def _layer_count_problems(source: Source, config: TransformerConfig) -> list[str
     return problems
 
 
-def _dtype_problems(tensors: Mapping[str, TensorRef], layout: str, cast: np.dtype | None, any_float: bool = False,
-                    mixed_ok: bool = False) -> list[str]:
-    """Weights must be float32/bfloat16/float16 (any float when cast, e.g. float64 from JAX with x64, or with
-    any_float), and (unless cast or mixed_ok) all in the embedding's dtype."""
+def _dtype_problems(tensors: Mapping[str, TensorRef], layout: str, lenient: bool) -> list[str]:
+    """Weights must be float32/bfloat16/float16 and all in the embedding's dtype; lenient (a cast will follow, or
+    a diff compares in float64): any floats, e.g. float64 from JAX with x64, mixed as they come."""
     problems = []
-    float_ok = cast is not None or any_float
     bad_kind = sorted(n for n, r in tensors.items()
-                      if dtype_name(r.dtype) not in WEIGHT_DTYPES and not (float_ok and r.dtype.kind == "f"))
+                      if dtype_name(r.dtype) not in WEIGHT_DTYPES and not (lenient and r.dtype.kind == "f"))
     if bad_kind:
-        fixable = not float_ok and any(tensors[n].dtype.kind == "f" for n in bad_kind)
+        fixable = not lenient and any(tensors[n].dtype.kind == "f" for n in bad_kind)
         problems.append("wrong dtype: " + _by_dtype(tensors, bad_kind) + f" (weights must be {', '.join(WEIGHT_DTYPES)}"
                         + ("; cast other floats with needle-twin convert --dtype)" if fixable else ")"))
     anchor = tensors.get(EMBEDDING[layout])
-    if cast is None and not mixed_ok and anchor is not None and dtype_name(anchor.dtype) in WEIGHT_DTYPES:
+    if not lenient and anchor is not None and dtype_name(anchor.dtype) in WEIGHT_DTYPES:
         mixed = sorted(n for n, r in tensors.items()
                        if r.dtype != anchor.dtype and dtype_name(r.dtype) in WEIGHT_DTYPES)
         if mixed:
