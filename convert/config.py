@@ -106,6 +106,11 @@ class TransformerConfig:
             out = {k: v for k, v in out.items() if v != defaults[k]}
         return out
 
+    def differences(self, other: TransformerConfig) -> dict[str, tuple[Any, Any]]:
+        """{field: (self's value, other's)} for the fields that differ."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return {k: (v, theirs[k]) for k, v in mine.items() if v != theirs[k]}
+
     def replace(self, **changes: Any) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
 

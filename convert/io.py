@@ -27,7 +27,7 @@ from convert import atomic, plan
 from convert.config import TransformerConfig
 from convert.errors import CheckpointError, ConfigError, ConfigMismatchError, NeedleTwinError, one_line
 from convert.mapping import flatten_tree, unflatten_tree
-from convert.source import FLAX, TORCH, Source
+from convert.source import FLAX, TORCH, Source, checkpoint_size
 from convert.tensors import TensorRef, is_finite, weight_dtype
 
 FORMAT_VERSION = "1"
@@ -77,9 +77,7 @@ def detect_format(path: str | Path) -> str:
                               "model.safetensors) nor an Orbax checkpoint (_CHECKPOINT_METADATA); check the path")
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory; check the path")
-    size = path.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"{path}: empty file (0 bytes); re-copy the checkpoint")
+    checkpoint_size(path)
     with open(path, "rb") as f:
         head = f.read(16)
     by_content = _sniff(head)
@@ -141,7 +139,7 @@ def resolve_config(source: Source, config: TransformerConfig | Mapping[str, Any]
         return stored
     given = config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)
     if stored is not None and stored != given:
-        fields = {k: (v, given.to_dict()[k]) for k, v in stored.to_dict().items() if given.to_dict()[k] != v}
+        fields = stored.differences(given)
         diff = "; ".join(f"{k}: stored {a!r}, given {b!r}" for k, (a, b) in fields.items())
         raise ConfigMismatchError(f"the config given contradicts the one in {source.config_origin}: {diff}; "
                                   "drop --config or fix it", fields)
@@ -191,12 +189,17 @@ def read_checkpoint(path: str | Path, config: TransformerConfig | Mapping[str, A
 _UPSTREAM_CONFIG_FORMATS = (PICKLE, MSGPACK, ORBAX)
 
 
-def _checkpoint_metadata(source: Source) -> dict[str, str]:
-    metadata = dict(source.metadata)
+def _upstream_config(source: Source) -> str | None:
+    """Upstream's own config dict as JSON (only the fields that were set), kept for a faithful round trip: the
+    source's stored dict in a Flax format, else what our safetensors metadata recorded of it."""
     if source.format in _UPSTREAM_CONFIG_FORMATS and source.config_dict is not None:
-        # Upstream pickles store only explicitly set fields; keep that exact dict for a faithful round trip.
-        metadata.setdefault("upstream_config", json.dumps(source.config_dict))
-    return metadata
+        return json.dumps(source.config_dict)
+    return source.metadata.get("upstream_config")
+
+
+def _checkpoint_metadata(source: Source) -> dict[str, str]:
+    upstream = _upstream_config(source)
+    return {**source.metadata, **({"upstream_config": upstream} if upstream is not None else {})}
 
 
 def source_from_params(params: Mapping[str, Any], path: str | Path = "<params>") -> Source:
@@ -260,11 +263,9 @@ def write_source(source: Source, config: TransformerConfig, dst: str | Path, *, 
     atomic.check_target(dst, force=force, directory=directory)  # fail before reading anything big
     plan.validate(source, config, cast)
     meta = _output_metadata(source, config, dtype, metadata, with_hash=fmt in (SAFETENSORS, HF_DIR))
-    # Only safetensors has room for the source hash: don't spend a pass over the source on the others.
-    sha = _SourceHash(source if "source_sha256" in meta else None)
     with atomic.atomic_output(dst, force=force, directory=directory) as tmp:
         try:
-            bad = _write(fmt, source, config, cast, tmp, meta, max_shard_size, check_finite, on_bytes, sha)
+            bad = _write(fmt, source, config, cast, tmp, meta, max_shard_size, check_finite, on_bytes)
         except OSError as e:  # disk full, quota, read-only folder...: our temp file goes, DST is untouched
             raise NeedleTwinError(f"converting to {dst} failed: {e.strerror or e} ({e.filename or tmp}); "
                                   "nothing was written") from None
@@ -277,9 +278,7 @@ def _output_metadata(source: Source, config: TransformerConfig, dtype: str | Non
                      extra: Mapping[str, str] | None, with_hash: bool = True) -> dict[str, str]:
     meta = {"format": "needle-twin", "format_version": FORMAT_VERSION, "tool_version": tool_version(),
             "config": json.dumps(config.to_dict(), sort_keys=True), "source_format": source.format}
-    upstream = source.metadata.get("upstream_config")
-    if source.format in _UPSTREAM_CONFIG_FORMATS and source.config_dict is not None:
-        upstream = json.dumps(source.config_dict)
+    upstream = _upstream_config(source)
     if upstream is not None:
         meta["upstream_config"] = upstream
     if dtype is not None:
@@ -297,12 +296,10 @@ def _output_metadata(source: Source, config: TransformerConfig, dtype: str | Non
 class _SourceHash:
     """The source's SHA-256, computed in a background thread while the conversion runs (hashlib drops the GIL)."""
 
-    def __init__(self, source: Source | None) -> None:
-        self._fn, self._result, self._error = (source.sha256 if source is not None else None), None, None
-        self._thread = None
-        if self._fn is not None:
-            self._thread = threading.Thread(target=self._run, name="needle-twin-sha256", daemon=True)
-            self._thread.start()
+    def __init__(self, fn: Callable[[], str]) -> None:
+        self._fn, self._result, self._error = fn, None, None
+        self._thread = threading.Thread(target=self._run, name="needle-twin-sha256", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -310,9 +307,7 @@ class _SourceHash:
         except BaseException as e:  # re-raised in the main thread by get()
             self._error = e
 
-    def get(self) -> str | None:
-        if self._thread is None:
-            return None
+    def get(self) -> str:
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -334,7 +329,7 @@ def upstream_config_dict(config: TransformerConfig, metadata: Mapping[str, str])
 
 def _write(fmt: str, source: Source, config: TransformerConfig, cast: np.dtype | None, tmp: Path,
            meta: dict[str, str], max_shard_size: int | str | None, check_finite: bool,
-           on_bytes: Callable[[int], None] | None, sha: _SourceHash) -> list[str]:
+           on_bytes: Callable[[int], None] | None) -> list[str]:
     """Dispatch to the format writer; returns the names of non-finite tensors (the caller aborts on any)."""
     bad: list[str] = []
     check = _FiniteChecker(bad) if check_finite else None
@@ -342,10 +337,12 @@ def _write(fmt: str, source: Source, config: TransformerConfig, cast: np.dtype |
         from convert.formats import safetensors_format
 
         view = plan.torch_view(source, config, cast)
+        # Only safetensors has room for the source hash (a placeholder in meta when there is one to compute).
+        sha = _SourceHash(source.sha256).get if "source_sha256" in meta else None
         if fmt == SAFETENSORS:
-            safetensors_format.write_file(tmp, view, meta, on_bytes, sha.get, check)
+            safetensors_format.write_file(tmp, view, meta, on_bytes, sha, check)
         else:
-            safetensors_format.write_dir(tmp, view, meta, config, max_shard_size, on_bytes, sha.get, check)
+            safetensors_format.write_dir(tmp, view, meta, config, max_shard_size, on_bytes, sha, check)
         return bad
     view = plan.flax_view(source, config, cast)
     if fmt == PICKLE:

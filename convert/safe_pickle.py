@@ -237,18 +237,21 @@ class SafeUnpickler(pickle.Unpickler):
         raise CheckpointError("refusing to load: the pickle uses persistent ids (a torch or custom format?)")
 
 
-class _BoundedReader(io.RawIOBase):
-    """File wrapper that never reads past the end and feeds every byte read to an optional hash."""
+class BoundedReader(io.RawIOBase):
+    """File wrapper that never reads past `size` bytes (nor a line past max_line) and feeds every byte read to an
+    optional hash: a forged length prefix must not make a reader allocate more than the file holds."""
 
-    def __init__(self, f: BinaryIO, size: int, digest: Any = None) -> None:
+    def __init__(self, f: BinaryIO, size: int, digest: Any = None, max_line: int | None = None) -> None:
         super().__init__()
-        self._f, self._left, self._digest = f, size, digest
+        self._f, self._left, self._digest, self._max_line = f, size, digest, max_line
 
     def readable(self) -> bool:
         return True
 
+    def tell(self) -> int:  # pickletools.genops reports opcode positions with it
+        return self._f.tell()
+
     def _bound(self, n: int | None) -> int:
-        # A forged length prefix must not make us allocate more than the file holds.
         return self._left if n is None or n < 0 else min(n, self._left)
 
     def _consumed(self, data: Any) -> None:
@@ -268,6 +271,8 @@ class _BoundedReader(io.RawIOBase):
         return got
 
     def readline(self, limit: int = -1) -> bytes:
+        if self._max_line is not None and not 0 <= limit <= self._max_line:
+            limit = self._max_line
         data = self._f.readline(self._bound(limit))
         self._consumed(data)
         return data
@@ -275,7 +280,7 @@ class _BoundedReader(io.RawIOBase):
 
 def load(f: BinaryIO, size: int, what: str = "pickle", digest: Any = None) -> Any:
     """Unpickle `size` bytes from f with the allowlist; plain dicts replace FrozenDicts; errors name `what`."""
-    reader = _BoundedReader(f, size, digest)
+    reader = BoundedReader(f, size, digest)
     obj = _unpickle(SafeUnpickler(reader), what)
     if reader.read(1):
         raise CheckpointError(f"{what}: trailing bytes after the pickle end; the file is corrupt or not a pickle")

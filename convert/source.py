@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from convert.errors import CheckpointError
 from convert.tensors import TensorRef
 
 FLAX, TORCH = "flax", "torch"  # layouts: upstream nested-tree paths ("a/b/c") or torch state_dict names
@@ -32,6 +33,14 @@ class Source:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+def checkpoint_size(path: Path) -> int:
+    """A checkpoint file's size in bytes; an empty file is refused, in the same words by every reader."""
+    size = os.stat(path).st_size
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file (0 bytes); re-copy the checkpoint")
+    return size
 
 
 def file_sha256(path: Path) -> str:

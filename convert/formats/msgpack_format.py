@@ -21,7 +21,7 @@ from convert.errors import CheckpointError, one_line
 from convert.formats.upstream_pickle import plain_config
 from convert.mapping import flatten_tree, np_dtype, unflatten_tree
 from convert.plan import Planned
-from convert.source import FLAX, Source, file_sha256
+from convert.source import FLAX, Source, checkpoint_size, file_sha256
 from convert.tensors import TensorRef, dtype_name
 
 FORMAT = "flax-msgpack"
@@ -81,9 +81,7 @@ def _unchunk(node: Any) -> Any:
 def read(path: Path) -> Source:
     import msgpack
 
-    size = path.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"{path}: empty file (0 bytes); re-copy the checkpoint")
+    size = checkpoint_size(path)
     try:
         with open(path, "rb") as f:
             unpacker = msgpack.Unpacker(f, ext_hook=_ext_hook, raw=False, strict_map_key=False,

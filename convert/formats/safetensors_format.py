@@ -23,7 +23,7 @@ from convert import sink
 from convert.config import TransformerConfig
 from convert.errors import CheckpointError, NeedleTwinError, one_line
 from convert.mapping import np_dtype
-from convert.source import TORCH, Source, file_sha256
+from convert.source import TORCH, Source, checkpoint_size, file_sha256
 from convert.tensors import TensorRef, dtype_name
 
 FORMAT, DIR_FORMAT = "safetensors", "hf-dir"
@@ -45,9 +45,7 @@ def _numpy_dtype(code: str) -> np.dtype:
 
 def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str], int]:
     """Parse and fully check a safetensors header: (lazy tensors by name, metadata, data start offset)."""
-    size = path.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"{path}: empty file (0 bytes); re-copy the checkpoint")
+    size = checkpoint_size(path)
     if size < 8:
         raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, shorter than the 8-byte header "
                               "length); re-copy it")
@@ -172,27 +170,21 @@ def read_dir(path: Path) -> Source:
         from convert.io import load_config_json
 
         on_disk = load_config_json(config_path)
-        if config is not None and _canonical(on_disk) != _canonical(config):
-            raise CheckpointError(f"{config_path} contradicts the config recorded in {files[0]} "
-                                  f"({_difference(on_disk, config)}); restore the original config.json")
+        problem = _contradiction(on_disk, config) if config is not None else None
+        if problem:
+            raise CheckpointError(f"{config_path} contradicts the config recorded in {files[0]} ({problem}); "
+                                  "restore the original config.json")
         config, origin = on_disk, str(config_path)
     return Source(path, DIR_FORMAT, TORCH, tensors, config, origin, metadata, lambda: file_sha256(path))
 
 
-def _canonical(config: Mapping[str, Any]) -> Any:
+def _contradiction(on_disk: Mapping[str, Any], recorded: Mapping[str, Any]) -> str | None:
+    """Why config.json contradicts the recorded config (its own error, or the fields that differ), or None."""
     try:
-        return TransformerConfig.from_dict(config)
-    except NeedleTwinError:
-        return dict(config)
-
-
-def _difference(on_disk: Mapping[str, Any], recorded: Mapping[str, Any]) -> str:
-    """What makes config.json differ from the recorded config: its own error, or the fields that differ."""
-    try:
-        mine, theirs = TransformerConfig.from_dict(on_disk).to_dict(), TransformerConfig.from_dict(recorded).to_dict()
+        mine, theirs = TransformerConfig.from_dict(on_disk), TransformerConfig.from_dict(recorded)
     except NeedleTwinError as e:
-        return str(e)
-    return "; ".join(f"{k}: {mine[k]!r} there, {theirs[k]!r} recorded" for k in mine if mine[k] != theirs[k])
+        return None if dict(on_disk) == dict(recorded) else str(e)
+    return "; ".join(f"{k}: {a!r} there, {b!r} recorded" for k, (a, b) in mine.differences(theirs).items()) or None
 
 
 def _read_index(index_path: Path) -> dict[str, str]:

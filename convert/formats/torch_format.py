@@ -10,11 +10,12 @@ import struct
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from convert.errors import CheckpointError, one_line
 from convert.formats.upstream_pickle import plain_config
-from convert.source import TORCH, Source, file_sha256
+from convert.safe_pickle import BoundedReader
+from convert.source import TORCH, Source, checkpoint_size, file_sha256
 from convert.tensors import TensorRef
 
 FORMAT = "torch-pt"
@@ -24,19 +25,20 @@ _STATE_KEYS = ("state_dict", "model_state_dict", "model")  # where training scri
 
 
 def read(path: Path) -> Source:
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"{path}: empty file (0 bytes); re-download or re-save the checkpoint")
+    checkpoint_size(path)
     try:
         import torch
     except ImportError:
         raise CheckpointError(f"{path} is a torch file; reading it needs torch (pip install 'needle-twin[torch]')") \
             from None
-    _refuse_zip_bomb(path)
+    zipped = _is_zip(path)
+    if zipped:
+        _refuse_zip_bomb(path)
     try:
         with warnings.catch_warnings():  # its protocol 4+ notice would break our one-line error on stderr
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             # weights_only: torch's own allowlist unpickler, so a hostile .pt cannot run code.
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, OSError, EOFError... for bad files
         raise _load_error(path, e) from None
     state, config = _split(obj, path)
@@ -53,8 +55,6 @@ def read(path: Path) -> Source:
 def _refuse_zip_bomb(path: Path) -> None:
     """torch.load inflates a compressed member whole; torch.save never compresses, so a compressed member that
     claims more than _MAX_PICKLE bytes is refused before torch sees it (measured: +600 MB for a 306 KB file)."""
-    if not _is_zip(path):
-        return
     try:
         with zipfile.ZipFile(path) as archive:  # reads the central directory only
             big = [i for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED and i.file_size > _MAX_PICKLE]
@@ -150,14 +150,14 @@ def _zip_survey(path: Path) -> tuple[set[str], str | None]:
             data = archive.read(info)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError) as e:
             return set(), f"its {info.filename} cannot be read ({one_line(e, 80)})"
-    seen, broken = _scan(_Bounded(io.BytesIO(data), len(data)))
+    seen, broken = _scan(BoundedReader(io.BytesIO(data), len(data), max_line=_MAX_LINE))
     return (set(), f"its {info.filename} is cut short or corrupt ({broken})") if broken else (seen, None)
 
 
 def _legacy_survey(path: Path, head: bytes, e: Exception) -> tuple[set[str], str | None]:
     size, seen = path.stat().st_size, set()
     with open(path, "rb") as f:
-        stream = _Bounded(f, size)
+        stream = BoundedReader(f, size, max_line=_MAX_LINE)
         for i in range(_LEGACY_PICKLES):
             names, broken = _scan(stream)
             # Protocol 2+ pickles open with PROTO (0x80); protocol 0-1 ones are told by decoding the first.
@@ -177,38 +177,26 @@ _MAX_PICKLE = 256 << 20  # bytes; torch.save's data.pkl holds keys and storage i
 _MAX_LINE = 1 << 20  # bytes; a text opcode's argument (a global's name, a decimal) is never near this long
 _STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
 _MEMO_OPS = frozenset({"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"})  # store the top of the stack, push nothing
+_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})  # push what a memo op stored
 _OLD_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}  # protocol 0-2 spellings, as torch reports them
 
 
-class _Bounded:
-    """A binary stream that never asks for more bytes than remain, so a crafted length cannot allocate terabytes."""
-
-    def __init__(self, f: BinaryIO, size: int) -> None:
-        self.f, self.size = f, size
-
-    def read(self, n: int = -1) -> bytes:
-        left = max(0, self.size - self.f.tell())
-        return self.f.read(left if n < 0 else min(n, left))
-
-    def readline(self) -> bytes:
-        return self.f.readline(_MAX_LINE)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-
-def _scan(stream: _Bounded) -> tuple[set[str], str | None]:
+def _scan(stream: BoundedReader) -> tuple[set[str], str | None]:
     """(globals the pickle at stream names, why it is incomplete or malformed or None); decodes opcodes only."""
     seen: set[str] = set()
     pushed: list[str | None] = [None, None]  # the last two pushes, for STACK_GLOBAL's module and name
+    memo: dict[int, str | None] = {}  # strings stored for later GETs (a module name used twice is fetched)
     try:
         for op, arg, _ in pickletools.genops(stream):
             if op.name == "GLOBAL":
                 seen.add(_global(*arg.split(" ", 1)))
             elif op.name == "STACK_GLOBAL" and None not in pushed:
                 seen.add(_global(*pushed))
-            if op.name not in _MEMO_OPS:
-                pushed = [pushed[1], arg if op.name in _STRING_OPS else None]
+            if op.name in _MEMO_OPS:  # stores the top of the stack, pushes nothing
+                memo[len(memo) if op.name == "MEMOIZE" else arg] = pushed[1]
+            else:
+                pushed = [pushed[1], memo.get(arg) if op.name in _GET_OPS else arg if op.name in _STRING_OPS
+                          else None]
     # genops' complaints (truncated argument, missing STOP, unknown opcode, bad text), plus what garbage can provoke
     except (ValueError, EOFError, MemoryError, OverflowError, struct.error) as e:
         return seen, one_line(e, 80) or type(e).__name__

@@ -27,9 +27,6 @@ FORMAT = "upstream-pickle"
 
 
 def read(path: Path) -> Source:
-    size = path.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"{path}: empty file (0 bytes); re-copy the checkpoint")
     obj = safe_pickle.load_file(path, lazy=True)  # large arrays stay in the file until a writer reads them
     if not isinstance(obj, dict) or "params" not in obj:
         keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
