@@ -206,6 +206,7 @@ def _overrides(profile, rtol, atol, kl_max, grad_rtol):
 
 
 _QUIET = typer.Option("--quiet", "-q", help="Print only the verdict line.")
+_REPORT_FORCE = typer.Option("--force", help="Overwrite existing report files.")
 _PROFILE = typer.Option("--profile", help="Tolerance profile by name, e.g. bfloat16-cpu, float32-gpu "
                                           "(default: from --dtype and the devices).", rich_help_panel=_TOL)
 _RTOL = typer.Option("--rtol", help="Override the rel L2 and max/max|ref| budgets of every probe.",
@@ -242,7 +243,7 @@ def parity_command(
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here.")] = None,
     html_path: Annotated[Optional[str], typer.Option("--html", help="Write a self-contained HTML report here.")
                          ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite existing report files.")] = False,
+    force: Annotated[bool, _REPORT_FORCE] = False,
     torch_device: Annotated[str, typer.Option("--torch-device", help="cpu, cuda, cuda:N or mps.")] = "cpu",
     jax_platform: Annotated[str, typer.Option("--jax-platform", help="cpu, gpu or tpu.")] = "cpu",
     precision: Annotated[str, typer.Option("--precision", help="highest: pin full float32 matmuls in both (no TF32);"
@@ -297,7 +298,7 @@ def rescore_command(
     report_path: Annotated[str, typer.Argument(metavar="REPORT_JSON", help="A report from `parity --json`.")],
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the re-scored JSON report here.")] = None,
     html_path: Annotated[Optional[str], typer.Option("--html", help="Write a re-scored HTML report here.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite existing report files.")] = False,
+    force: Annotated[bool, _REPORT_FORCE] = False,
     quiet: Annotated[bool, _QUIET] = False,
     profile: Annotated[Optional[str], _PROFILE] = None,
     rtol: Annotated[Optional[float], _RTOL] = None,
@@ -341,8 +342,8 @@ def generate_command(
         "--max-enc-len", min=2, help="Truncate --query/--tools to this many encoder tokens, as upstream does.")
                            ] = None,
     compile: Annotated[bool, typer.Option(
-        "--compile", help="torch: fuse the decoder step with torch.compile (3-4x faster steps at batch 1; the "
-                          "first call compiles for 15-30 s on 2 cores, cached on disk after).")] = False,
+        "--compile", help="torch: fuse the decoder step with torch.compile (bf16 batch 1: 2.35 ms a step against "
+                          "10.5 eager; the first call compiles for 5-30 s on 2 cores, cached on disk after).")] = False,
 ) -> None:
     """Greedy-decode from EOS with the cached decoder, printing tokens as they come (text too with --tokenizer)."""
     import time
