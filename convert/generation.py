@@ -16,41 +16,23 @@ from convert.errors import GenerationError
 
 def check_generate_args(config: TransformerConfig, src, src_mask, max_new_tokens: int, eos_token_id: int,
                         pad_token_id: int, suppress_tokens: Iterable[int] | None) -> np.ndarray | None:
-    """Validate generation arguments (src and src_mask: numpy, jax or torch arrays); returns the suppressed ids
-    as a bool (V,) mask, or None: one shape whatever the set, so a compiled loop never recompiles for it."""
-    shape = tuple(np.shape(src))
-    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
-        raise GenerationError(f"src must be a (batch, length) array of token ids with both >= 1, got shape "
-                              f"{shape}; add a batch axis for a single sequence")
+    """Validate generation arguments as given (numpy, jax or torch arrays, or nested lists), before a twin converts
+    them; returns the suppressed ids as a bool (V,) mask, or None: one shape whatever the set, so a compiled loop
+    never recompiles for it."""
     V = config.vocab_size
-    if not hasattr(src, "min"):
-        src = np.asarray(src)
-    if str(src.dtype).removeprefix("torch.") not in _INT_DTYPES:
-        raise GenerationError(f"src holds {src.dtype} values; token ids must be integers")
-    if int(src.min()) < 0 or int(src.max()) >= V:
-        ids = np.asarray(src.cpu() if hasattr(src, "cpu") else src)
-        bad = sorted(set(ids[(ids < 0) | (ids >= V)].tolist()))
-        raise GenerationError(f"src has ids {bad[:5]} outside the model's vocabulary [0, {V}); is the tokenizer "
-                              "the one this model was trained with?")
+    shape = _check_src(src, V)
     if src_mask is not None:
-        B, S = shape
-        mask_shape = tuple(np.shape(src_mask))
-        if len(mask_shape) != 4 or mask_shape[0] not in (1, B) or mask_shape[1:3] != (1, 1) or mask_shape[3] != S:
-            raise GenerationError(f"src_mask must be (batch, 1, 1, {S}) like make_padding_mask(src) gives, got "
-                                  f"shape {mask_shape}")
-        if str(src_mask.dtype).removeprefix("torch.") not in ("bool", "bool_"):
-            raise GenerationError(f"src_mask holds {src_mask.dtype} values; it must be bool (True = attend), as "
-                                  "make_padding_mask(src) gives")
+        _check_src_mask(src_mask, shape)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < V:
+        if not _is_int(value) or not 0 <= value < V:
             raise GenerationError(f"{name}={value!r} is outside the vocabulary [0, {V}); use an id in that range")
     if suppress_tokens is None:
         ids = []
     else:  # a list, range or set of ids, or a 1-d numpy / jax / torch array of them
         ids = suppress_tokens.tolist() if hasattr(suppress_tokens, "tolist") else list(suppress_tokens)
-    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+    if not all(_is_int(t) for t in ids):
         raise GenerationError(f"suppress_tokens must be integer token ids, got {suppress_tokens!r}")
     ids = [int(t) for t in ids]
     bad = sorted({t for t in ids if not 0 <= t < V})
@@ -65,7 +47,71 @@ def check_generate_args(config: TransformerConfig, src, src_mask, max_new_tokens
     return suppress
 
 
-_INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "long", "int")
+# What torch's embedding takes (and jax's gather): other integer dtypes fail there, or in torch's min() (uint32).
+# str() of a numpy or jax dtype is "int32"; of a torch dtype "torch.int32" (torch.long is "torch.int64").
+_INT_DTYPES = ("int32", "int64")
+
+
+def _is_int(value) -> bool:
+    """A Python or numpy integer, not a bool (True would pass as id 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _as_array(value, name: str, dtype=None):
+    """An array (numpy, jax, torch) as it is; a nested sequence as a numpy array of `dtype`."""
+    if hasattr(value, "dtype"):
+        return value
+    try:
+        np.shape(value)  # refuses ragged rows, which np.asarray(dtype=object) would keep as list items
+        return np.asarray(value, dtype=dtype)
+    except ValueError:
+        raise GenerationError(f"{name} is not a rectangular array (rows of different lengths?); pad its rows to "
+                              "one length") from None
+
+
+def _check_src(src, V: int) -> tuple[int, ...]:
+    """Shape, dtype and vocabulary range of the encoder ids; returns the shape (B, S).
+
+    Python sequences are checked as Python ints (an object array), so an id too large for any integer dtype
+    (3000000000 for int32, 2**64) is reported as out of vocabulary rather than overflowing in a conversion."""
+    src = _as_array(src, "src", dtype=object)
+    shape = tuple(src.shape)
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise GenerationError(f"src must be a (batch, length) array of token ids with both >= 1, got shape "
+                              f"{shape}; add a batch axis for a single sequence")
+    if src.dtype == object:
+        items = src.ravel().tolist()
+        odd = next((t for t in items if not _is_int(t)), None)
+        if odd is not None:
+            raise GenerationError(f"src holds {type(odd).__name__} values such as {odd!r}; token ids must be int32 "
+                                  "or int64 (in a list: Python ints)")
+        bad = sorted({int(t) for t in items if not 0 <= t < V})
+    else:
+        dtype = str(src.dtype).removeprefix("torch.")
+        if dtype not in _INT_DTYPES:
+            raise GenerationError(f"src holds {dtype} values; token ids must be int32 or int64: convert it, e.g. "
+                                  "src.astype(np.int32) (numpy, jax) or src.long() (torch)")
+        bad = []
+        if int(src.min()) < 0 or int(src.max()) >= V:
+            ids = np.asarray(src.cpu() if hasattr(src, "cpu") else src)
+            bad = sorted(set(ids[(ids < 0) | (ids >= V)].tolist()))
+    if bad:
+        raise GenerationError(f"src has ids {bad[:5]} outside the model's vocabulary [0, {V}); is the tokenizer "
+                              "the one this model was trained with?")
+    return shape
+
+
+def _check_src_mask(src_mask, src_shape: tuple[int, ...]) -> None:
+    """src_mask: bool (B|1, 1, 1, S), like make_padding_mask(src) gives."""
+    src_mask = _as_array(src_mask, "src_mask")
+    B, S = src_shape
+    shape = tuple(src_mask.shape)
+    if len(shape) != 4 or shape[0] not in (1, B) or shape[1:3] != (1, 1) or shape[3] != S:
+        raise GenerationError(f"src_mask must be (batch, 1, 1, {S}) like make_padding_mask(src) gives, got "
+                              f"shape {shape}")
+    if str(src_mask.dtype).removeprefix("torch.") != "bool":  # numpy, jax and torch all spell it "bool"
+        raise GenerationError(f"src_mask holds {src_mask.dtype} values; it must be bool (True = attend), as "
+                              "make_padding_mask(src) gives")
 
 
 def max_rel_error(actual, reference) -> float:
@@ -126,7 +172,7 @@ def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "
         if dtype == "float32":
             torch.set_float32_matmul_precision("highest")
         model = SimpleAttentionNetwork.from_flax(checkpoint.params, config, dtype=dtype)
-        tokens = model.generate(torch.tensor([src_ids], dtype=torch.long), None, **args, compile=compile)
+        tokens = model.generate([src_ids], None, **args, compile=compile)  # ids checked before any conversion
     else:
         import jax
         import jax.numpy as jnp
@@ -137,5 +183,5 @@ def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "
         if dtype == "float32":
             jax.config.update("jax_default_matmul_precision", "highest")
         params = jax.tree.map(lambda a: jnp.asarray(a, dtype), checkpoint.params)  # upstream casts every param
-        tokens = generate(SimpleAttentionNetwork(config), params, jnp.asarray([src_ids], jnp.int32), None, **args)
+        tokens = generate(SimpleAttentionNetwork(config), params, [src_ids], None, **args)  # checked, then int32
     return [int(t) for t in np.asarray(tokens)[0]]

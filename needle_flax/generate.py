@@ -52,6 +52,11 @@ def _pick(logits, done, suppress, eos, pad):
 _pick_jit = jax.jit(_pick)
 
 
+def _as_jax(src, src_mask):
+    """Checked src and src_mask (arrays or nested lists) as jax arrays; ids fit int32 once checked."""
+    return jnp.asarray(src), None if src_mask is None else jnp.asarray(src_mask)
+
+
 def _suppress(mask: np.ndarray | None):
     """The checked bool (V,) suppress mask as a device array (an argument: a new set never recompiles)."""
     return None if mask is None else jnp.asarray(mask)
@@ -122,10 +127,11 @@ def generate(model: SimpleAttentionNetwork, params, src, src_mask=None, max_new_
     """
     suppress = _suppress(check_generate_args(model.config, src, src_mask, max_new_tokens, eos_token_id,
                                              pad_token_id, suppress_tokens))
+    src, src_mask = _as_jax(src, src_mask)
 
     def run():
         out, steps, logits = _cached_loop(
-            params, jnp.asarray(src), src_mask, jnp.int32(eos_token_id), jnp.int32(pad_token_id), suppress,
+            params, src, src_mask, jnp.int32(eos_token_id), jnp.int32(pad_token_id), suppress,
             model=model, max_new_tokens=int(max_new_tokens), stream=streamer is not None,
             return_logits=return_logits)
         return out, int(steps), logits  # int(): waits for the loop, so every streamed step has been emitted
@@ -167,7 +173,8 @@ def generate_recompute(model: SimpleAttentionNetwork, params, src, src_mask=None
     """Upstream's greedy loop (full-buffer recompute every step); same contract and return as `generate`."""
     suppress_mask = _suppress(check_generate_args(model.config, src, src_mask, max_new_tokens, eos_token_id,
                                                   pad_token_id, suppress_tokens))
-    encoder_out = encode(params, jnp.asarray(src), src_mask, model=model)
+    src, src_mask = _as_jax(src, src_mask)
+    encoder_out = encode(params, src, src_mask, model=model)
     B, L = np.shape(src)[0], int(max_new_tokens)
     buffer = np.full((B, L + 1), pad_token_id, np.int32)  # (B, 1+L): the fixed-length upstream buffer
     buffer[:, 0] = eos_token_id

@@ -13,8 +13,9 @@ chosen. Shapes: B batch, S source length, L = max_new_tokens, V vocab.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor
@@ -25,12 +26,15 @@ from needle_torch.model import SimpleAttentionNetwork, make_causal_mask
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
 
 
-def pick(logits: Tensor, done: Tensor, suppress: Tensor | None, eos: int, pad: int) -> tuple[Tensor, Tensor]:
-    """Greedy choice from float32 logits (B, V): suppressed ids (bool (V,) or None) never win, finished rows pad."""
+def pick(logits: Tensor, done: Tensor, suppress: Tensor | None, eos: int | Tensor, pad: int | Tensor,
+         ) -> tuple[Tensor, Tensor]:
+    """Greedy choice from float32 logits (B, V): suppressed ids (bool (V,) or None) never win, finished rows pad.
+
+    eos, pad: ints or 0-d int64 tensors (graph inputs under torch.compile)."""
     if suppress is not None:
         logits = logits.masked_fill(suppress, float("-inf"))
     nxt = logits.argmax(dim=-1)  # (B,), first index on ties like jnp.argmax
-    nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+    nxt = torch.where(done, pad, nxt)
     return nxt, done | (nxt == eos)
 
 
@@ -60,43 +64,54 @@ def _greedy_loop(advance: Advance, B: int, L: int, device: torch.device, eos: in
     return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens
 
 
-@contextmanager
-def _prepared(model: SimpleAttentionNetwork, src, src_mask, max_new_tokens: int, eos_token_id: int,
-              pad_token_id: int, suppress_tokens: Iterable[int] | None):
-    """Checked inputs on the model's device (src, src_mask, suppress bool (V,) or None, encoder_out), with the
-    model in eval mode meanwhile: generation never applies dropout, whatever mode the model is in (as Flax)."""
-    src = torch.as_tensor(src, device=model.device)
-    src_mask = None if src_mask is None else torch.as_tensor(src_mask, device=model.device)
+def _prepare(model: SimpleAttentionNetwork, src, src_mask, max_new_tokens: int, eos_token_id: int,
+             pad_token_id: int, suppress_tokens: Iterable[int] | None,
+             ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """Checked inputs on the model's device: (src, src_mask, suppress bool (V,) or None, encoder_out).
+
+    The arguments are checked as given, before any conversion (an id past int64 is out of vocabulary, not an
+    overflow). The encoder runs without dropout whatever the model's mode, as Flax's generate."""
     suppress = check_generate_args(model.config, src, src_mask, max_new_tokens, eos_token_id, pad_token_id,
                                    suppress_tokens)
+    src = torch.as_tensor(src, device=model.device)
+    src_mask = None if src_mask is None else torch.as_tensor(src_mask, device=model.device)
     suppress = None if suppress is None else torch.from_numpy(suppress).to(model.device)
     if src_mask is not None and bool(src_mask.all()):
         src_mask = None  # nothing is masked: skip building an additive mask in every layer at every step
-    training = model.training
-    model.eval()
-    try:
-        yield src, src_mask, suppress, model.encode(src, src_mask)[0]  # encoder_out (B, S, D)
-    finally:
-        model.train(training)
+    return src, src_mask, suppress, model.encode(src, src_mask, deterministic=True)[0]  # encoder_out (B, S, D)
 
 
 def _step_and_pick(model: SimpleAttentionNetwork, tokens: Tensor, cache, pos: int | Tensor, cross_mask: Tensor | None,
-                   done: Tensor, suppress: Tensor | None, eos: int, pad: int) -> tuple[Tensor, Tensor, Tensor]:
+                   done: Tensor, suppress: Tensor | None, eos: Tensor, pad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One decode step and its greedy choice, as one graph for torch.compile: (logits (B, V), next (B,), done)."""
     logits = model.decode_step(tokens, cache, pos, cross_mask=cross_mask)[:, 0]  # (B, V)
     return (logits, *pick(logits, done, suppress, eos, pad))
 
 
+class CompileFallbackWarning(RuntimeWarning):
+    """A compiled generation request ran eagerly (slower, same function)."""
+
+
+RECOMPILE_LIMIT_HIT = ("torch.compile reached its recompile limit in this process, so this request runs eagerly "
+                       "(slower); use fewer distinct batch sizes, source lengths, max_new_tokens, dtypes or "
+                       "mask/suppress variants per process, or raise torch._dynamo.config.recompile_limit")
+
 _compiled_step: Callable | None = None
 
 
 def compiled_step() -> Callable:
-    """`_step_and_pick` under torch.compile (one wrapper; graphs cached per shapes, dtype, mask or none, and
-    EOS/pad ids, up to torch._dynamo.config.recompile_limit; past it `generate` runs that request eagerly)."""
+    """`_step_and_pick` under torch.compile (one wrapper; graphs cached per shapes, dtype, mask or none, suppress
+    or none, up to torch._dynamo.config.recompile_limit; past it `generate` runs that request eagerly and warns)."""
     global _compiled_step
     if _compiled_step is None:
         _compiled_step = torch.compile(_step_and_pick, fullgraph=True, dynamic=False)
     return _compiled_step
+
+
+def _skip_guards() -> AbstractContextManager:
+    """Later steps repeat step 0's call with the same model, cache and shapes: skip re-checking its ~200 tensor
+    guards (0.28 ms of a 3 ms step at batch 1; 0.07 ms with the skip). Diff guards still pick the graph."""
+    return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
 
 @torch.inference_mode()
@@ -108,45 +123,47 @@ def generate(model: SimpleAttentionNetwork, src: Tensor, src_mask: Tensor | None
     src: (B, S) token ids; src_mask: bool (B, 1, 1, S) encoder/cross mask (None = attend everywhere, as
     upstream passes it; use make_padding_mask for padded batches). streamer: called with each step's (B,)
     tokens as they are produced. return_logits: also return the logits each step chose from (before
-    suppression). Runs in the model's dtype and on its device.
+    suppression). Runs in the model's dtype and on its device, never with dropout (the mode is left as it is).
     compile: run each decoder step and its greedy choice as one torch.compile graph with fixed shapes
     (attends over the whole cache under a mask). On CPU at batch <= 4 the step's products are written as
     reductions (needle_torch.model.REDUCE_MAX_ROWS) that inductor fuses into a few passes reading every
     weight once in its own dtype. Compiles once per (batch, source length, max_new_tokens, dtype, mask or
-    not): 15-30 s on 2 CPU cores the first time, seconds when inductor's disk cache hits. At the published
-    size, batch 1, a step then takes 2.4 ms instead of 10 ms in bfloat16 (benchmarks/bench_generate.py). Not
-    for concurrent threads (the per-step guard skip is process-wide). float32 logits
+    not, suppress or not); EOS/pad ids and the suppressed set are tensor inputs, so new values reuse the graph.
+    15-30 s on 2 CPU cores the first time, seconds when inductor's disk cache hits. Past dynamo's recompile
+    limit a request runs eagerly with a CompileFallbackWarning. At the published size, batch 1, a step then
+    takes 2.4 ms instead of 10 ms in bfloat16 (benchmarks/bench_generate.py). Guards are checked on a
+    request's first step only: later steps run under torch.compiler.set_stance(skip_guard_eval_unsafe), which
+    is process-wide, so compiled generation is not for concurrent threads. float32 logits
     stay within 1e-6 of eager; in bfloat16 inductor keeps some intermediates in float32, as XLA's jit does,
     so logits move by up to ~1e-2 relative (2e-3 at the published size, 7e-3 on the fixtures, same tokens).
     """
+    src, src_mask, suppress, encoder_out = _prepare(model, src, src_mask, max_new_tokens, eos_token_id,
+                                                    pad_token_id, suppress_tokens)
     L = int(max_new_tokens)
-    with _prepared(model, src, src_mask, max_new_tokens, eos_token_id, pad_token_id, suppress_tokens) as (
-            src, src_mask, suppress, encoder_out):
-        cache = model.new_cache(encoder_out, L, compiled=compile)  # cross K/V projected here, once
-        step = compiled_step() if compile else None
-        positions = torch.arange(L, device=model.device)  # 0-d tensor positions: one graph for every step
+    cache = model.new_cache(encoder_out, L, compiled=compile)  # cross K/V projected here, once
+    # 0-d tensors: the ids are graph inputs (as Flax's int32 scalars), not constants compiled into a graph.
+    eos, pad = (torch.tensor(i, device=model.device) for i in (eos_token_id, pad_token_id))
+    # compiled: 0-d tensor positions, one graph for every step; eager: int positions, the filled prefix only.
+    compiled = compiled_step() if compile else None
+    positions = torch.arange(L, device=model.device) if compile else range(L)
 
-        def advance(out: Tensor, t: int, done: Tensor):
-            nonlocal step
-            if step is None:
-                return _step_and_pick(model, out[:, t : t + 1], cache, t, src_mask, done, suppress, eos_token_id,
-                                      pad_token_id)
-            args = (model, out[:, t : t + 1], cache, positions[t], src_mask, done, suppress, eos_token_id,
-                    pad_token_id)
-            if t == 0:
-                try:
-                    return step(*args)  # guarded call: compiles, or picks the graph for these inputs
-                except torch._dynamo.exc.FailOnRecompileLimitHit:
-                    step = None  # this process compiled too many variants: run this request eagerly
-                    return advance(out, t, done)
-            # Later steps repeat step 0's call with the same model, cache and shapes: skip re-checking its
-            # ~200 tensor guards (0.28 ms of a 3 ms step at batch 1; 0.07 ms with the skip). Diff guards still
-            # pick the graph. The stance is process-wide: compiled generation is not for concurrent threads.
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return step(*args)
+    def advance(out: Tensor, t: int, done: Tensor):
+        nonlocal compiled
+        args = (model, out[:, t : t + 1], cache, positions[t], src_mask, done, suppress, eos, pad)
+        if compiled is None:
+            return _step_and_pick(*args)
+        if t > 0:
+            with _skip_guards():  # only around our own call: a streamer's compiled code keeps its guards
+                return compiled(*args)
+        try:
+            return compiled(*args)  # guarded call: compiles, or picks the graph for these inputs
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            warnings.warn(RECOMPILE_LIMIT_HIT, CompileFallbackWarning, stacklevel=2)
+            compiled = None  # eager with the same (0-d position) arguments, for the whole request
+            return _step_and_pick(*args)
 
-        return _greedy_loop(advance, src.shape[0], L, model.device, eos_token_id, pad_token_id, streamer,
-                            return_logits)
+    return _greedy_loop(advance, src.shape[0], L, model.device, eos_token_id, pad_token_id, streamer,
+                        return_logits)
 
 
 @torch.inference_mode()
@@ -154,14 +171,14 @@ def generate_recompute(model: SimpleAttentionNetwork, src: Tensor, src_mask: Ten
                        max_new_tokens: int = 64, eos_token_id: int = 1, suppress_tokens: Iterable[int] | None = None,
                        pad_token_id: int = 0, *, streamer: Streamer | None = None, return_logits: bool = False):
     """Upstream's loop in torch (the whole (B, 1+L) buffer re-decoded every step, causal mask only): the reference."""
+    src, src_mask, suppress, encoder_out = _prepare(model, src, src_mask, max_new_tokens, eos_token_id,
+                                                    pad_token_id, suppress_tokens)
     L = int(max_new_tokens)
     causal = make_causal_mask(L + 1, model.device)  # (1, 1, 1+L, 1+L)
-    with _prepared(model, src, src_mask, max_new_tokens, eos_token_id, pad_token_id, suppress_tokens) as (
-            src, src_mask, suppress, encoder_out):
 
-        def advance(out: Tensor, t: int, done: Tensor):
-            logits = model.decode(out, encoder_out, causal, src_mask)[:, t]  # (B, V)
-            return (logits, *pick(logits, done, suppress, eos_token_id, pad_token_id))
+    def advance(out: Tensor, t: int, done: Tensor):
+        logits = model.decode(out, encoder_out, causal, src_mask, deterministic=True)[:, t]  # (B, V)
+        return (logits, *pick(logits, done, suppress, eos_token_id, pad_token_id))
 
-        return _greedy_loop(advance, src.shape[0], L, model.device, eos_token_id, pad_token_id, streamer,
-                            return_logits)
+    return _greedy_loop(advance, src.shape[0], L, model.device, eos_token_id, pad_token_id, streamer,
+                        return_logits)

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from convert.config import TransformerConfig
+from convert.config import DTYPES, TransformerConfig
+from convert.errors import ConfigError
 
-# The compute dtypes by name (convert.config.DTYPES).
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The compute dtypes by name: every name in convert.config.DTYPES is also torch's name for it.
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 # ----------------------------------------------------------------------------- products
 
@@ -267,6 +268,11 @@ def _gate(param: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.sigmoid(param).to(dtype)
 
 
+def _dropout(dropout: nn.Dropout, deterministic: bool):
+    """The block's dropout (active in train mode), or the identity when deterministic (Flax's deterministic=True)."""
+    return (lambda y: y) if deterministic else dropout
+
+
 class Tap(nn.Identity):
     """A named capture point: forward hooks see the value, the output is the input."""
 
@@ -287,12 +293,14 @@ class EncoderBlock(nn.Module):
             self.ffn = FeedForward(config)  # Flax: FeedForward_0
             self.ffn_gate = nn.Parameter(torch.zeros(()))
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
+                deterministic: bool = False) -> Tensor:
+        drop = _dropout(self.dropout, deterministic)
         y = self.attn_norm(x)
-        x = x + _gate(self.attn_gate, x.dtype) * self.dropout(self.self_attn(y, y, mask, rope))
+        x = x + _gate(self.attn_gate, x.dtype) * drop(self.self_attn(y, y, mask, rope))
         x = self.self_attn_residual(x)
         if self.has_ffn:
-            x = x + _gate(self.ffn_gate, x.dtype) * self.dropout(self.ffn(self.ffn_norm(x)))
+            x = x + _gate(self.ffn_gate, x.dtype) * drop(self.ffn(self.ffn_norm(x)))
         return x
 
 
@@ -318,14 +326,15 @@ class DecoderBlock(nn.Module):
     def forward(self, x: Tensor, encoder_out: Tensor | None, self_mask: Tensor | None = None,
                 cross_mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
                 cache: LayerCache | None = None, cache_pos: int | Tensor = 0,
-                cross_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                cross_kv: tuple[Tensor, Tensor] | None = None, deterministic: bool = False) -> Tensor:
+        drop = _dropout(self.dropout, deterministic)
         y = self.self_attn_norm(x)
         a = self.self_attn(y, y, self_mask, rope, cache=cache, cache_pos=cache_pos)
-        x = x + _gate(self.self_attn_gate, x.dtype) * self.dropout(a)
+        x = x + _gate(self.self_attn_gate, x.dtype) * drop(a)
         c = self.cross_attn(self.cross_attn_norm(x), encoder_out, cross_mask, static_kv=cross_kv)
-        x = x + _gate(self.cross_attn_gate, x.dtype) * self.dropout(c)
+        x = x + _gate(self.cross_attn_gate, x.dtype) * drop(c)
         if self.has_ffn:
-            x = x + _gate(self.ffn_gate, x.dtype) * self.dropout(self.ffn(self.ffn_norm(x)))
+            x = x + _gate(self.ffn_gate, x.dtype) * drop(self.ffn(self.ffn_norm(x)))
         return x
 
 
@@ -336,10 +345,11 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_encoder_layers))
         self.final_norm = ZCRMSNorm(config.d_model)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
+                deterministic: bool = False) -> Tensor:
         x = self.embed(x)
         for layer in self.layers:
-            x = layer(x, mask, rope)
+            x = layer(x, mask, rope, deterministic)
         return self.final_norm(x)
 
 
@@ -362,13 +372,14 @@ class Decoder(nn.Module):
 
     def forward(self, x: Tensor, encoder_out: Tensor | None, self_mask: Tensor | None = None,
                 cross_mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
-                cache: DecoderCache | None = None, cache_pos: int | Tensor = 0) -> Tensor:
+                cache: DecoderCache | None = None, cache_pos: int | Tensor = 0, deterministic: bool = False) -> Tensor:
         x = self.embed(x)
         for i, layer in enumerate(self.layers):
             if cache is None:
-                x = layer(x, encoder_out, self_mask, cross_mask, rope)
+                x = layer(x, encoder_out, self_mask, cross_mask, rope, deterministic=deterministic)
             else:
-                x = layer(x, None, self_mask, cross_mask, rope, cache.layers[i], cache_pos, cache.cross_kv[i])
+                x = layer(x, None, self_mask, cross_mask, rope, cache.layers[i], cache_pos, cache.cross_kv[i],
+                          deterministic)
         return self.final_norm(x)
 
 
@@ -412,6 +423,8 @@ class SimpleAttentionNetwork(nn.Module):
         dtype or its name, e.g. "bfloat16") is given."""
         from convert.mapping import flax_to_torch
 
+        if isinstance(dtype, str) and dtype not in TORCH_DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is unknown; use one of {', '.join(TORCH_DTYPES)} (or a torch dtype)")
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(flax_to_torch(params, config), strict=True, assign=True)
@@ -441,14 +454,16 @@ class SimpleAttentionNetwork(nn.Module):
         weight = self.embedding.weight.float() if weight is None else weight
         return self.logits_tap(x.float() @ weight.T)  # (B, T, V) float32, tied
 
-    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Returns (encoder_out (B, S, D), src_mask)."""
-        return self.encoder(self._embed(src), src_mask, self._rope(src.shape[1])), src_mask
+    def encode(self, src: Tensor, src_mask: Tensor | None = None, *, deterministic: bool = False,
+               ) -> tuple[Tensor, Tensor | None]:
+        """Returns (encoder_out (B, S, D), src_mask); deterministic: no dropout even in train mode (as generation)."""
+        return self.encoder(self._embed(src), src_mask, self._rope(src.shape[1]), deterministic), src_mask
 
     def decode(self, tgt: Tensor, encoder_out: Tensor, self_mask: Tensor | None = None,
-               cross_mask: Tensor | None = None) -> Tensor:
-        """float32 logits (B, T, V)."""
-        x = self.decoder(self._embed(tgt), encoder_out, self_mask, cross_mask, self._rope(tgt.shape[1]))
+               cross_mask: Tensor | None = None, *, deterministic: bool = False) -> Tensor:
+        """float32 logits (B, T, V); deterministic: no dropout even in train mode (as generation)."""
+        x = self.decoder(self._embed(tgt), encoder_out, self_mask, cross_mask, self._rope(tgt.shape[1]),
+                         deterministic=deterministic)
         return self._logits(x)
 
     def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None,
@@ -483,7 +498,7 @@ class SimpleAttentionNetwork(nn.Module):
         cache_pos: an int attends over the filled prefix; a 0-d int64 tensor keeps every shape fixed
         (attends over the whole buffer, later positions masked) so a compiled step never recompiles.
         self_mask: (B|1, 1, T, cache_pos + T), or (B|1, 1, T, T_max) for a tensor cache_pos, over cached
-        positions; None means causal.
+        positions; None means causal. Never applies dropout, in either mode (as Flax's decode_step): it is inference.
         """
         T = tokens.shape[1]
         if isinstance(cache_pos, Tensor):
@@ -500,7 +515,7 @@ class SimpleAttentionNetwork(nn.Module):
                 rope = self._rope(T, offset=cache_pos)
             if self_mask is None and T > 1:
                 self_mask = make_causal_mask(cache_pos + T, self.device)[:, :, cache_pos:]
-        x = self.decoder(self._embed(tokens), None, self_mask, cross_mask, rope, cache, cache_pos)
+        x = self.decoder(self._embed(tokens), None, self_mask, cross_mask, rope, cache, cache_pos, deterministic=True)
         return self._logits(x, cache.logits_weight)
 
     # ------------------------------------------------------------------ contrastive

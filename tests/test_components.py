@@ -234,3 +234,19 @@ def test_compiled_few_row_projections_attention_and_logits_equal_eager(dtype):
     for name, e, c in zip(names, eager, compiled, strict=True):
         assert c.dtype == e.dtype and c.shape == e.shape, name
         assert float((c.double() - e.double()).abs().max()) <= tol * float(e.double().abs().max()), name
+
+
+def test_torch_dtype_names_are_the_config_dtypes_and_unknown_names_fail_in_one_line():
+    from convert.config import DTYPES, TransformerConfig
+    from convert.errors import ConfigError
+    from convert.mapping import random_flax_params
+    from needle_torch.model import TORCH_DTYPES
+
+    assert tuple(TORCH_DTYPES) == DTYPES
+    cfg = TransformerConfig(vocab_size=40, d_model=16, num_heads=4, num_kv_heads=2, max_seq_len=16)
+    params = random_flax_params(cfg, seed=0)
+    for name in DTYPES:
+        model = nt.SimpleAttentionNetwork.from_flax(params, cfg, dtype=name)
+        assert model.dtype == TORCH_DTYPES[name] == getattr(torch, name)
+    with pytest.raises(ConfigError, match=r"^dtype 'fp16' is unknown; use one of float32, bfloat16, float16"):
+        nt.SimpleAttentionNetwork.from_flax(params, cfg, dtype="fp16")

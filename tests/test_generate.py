@@ -18,9 +18,10 @@ from needle_flax import generate as flax_generate
 from needle_flax import generate_recompute as flax_recompute
 from needle_flax.model import SimpleAttentionNetwork as FlaxModel
 from needle_flax.model import make_padding_mask as flax_padding_mask
+from needle_flax.model import precompute_rope_freqs as nf_precompute_rope_freqs
 from needle_torch import generate as torch_generate
 from needle_torch import generate_recompute as torch_recompute
-from needle_torch.generate import pick
+from needle_torch.generate import CompileFallbackWarning, pick
 from needle_torch.model import SimpleAttentionNetwork as TorchModel
 from needle_torch.model import make_padding_mask as torch_padding_mask
 
@@ -32,6 +33,9 @@ BF16_REL = 3e-2
 # A greedy row is only *determined* by bf16 logits when every step's top-1/top-2 gap exceeds twice the
 # largest absolute logit error bf16 can make here (0.025 ~ BF16_REL x max |logit| ~ 1.7).
 BF16_DECISIVE_GAP = 2 * 0.025
+
+# A compiled run that fell back to eager past dynamo's recompile limit would test eager code: make it fail.
+pytestmark = pytest.mark.filterwarnings("error::needle_torch.generate.CompileFallbackWarning")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -289,30 +293,80 @@ def _compilations(caplog, name: str) -> int:
     return sum(f"compilation of jit({name})" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("backend", ["torch", "flax"])
+def _call(twins: Twins, which: str, src, src_mask=None, **kw):
+    """Run one loop with src and src_mask passed exactly as given (lists, numpy, torch or jax arrays)."""
+    if which.startswith("torch"):
+        fn = torch_recompute if which == "torch-recompute" else torch_generate
+        kw = {**kw, "compile": True} if which == "torch-compiled" else kw
+        return fn(twins.torch_model, src, src_mask, **kw)
+    fn = flax_recompute if which == "flax-recompute" else flax_generate
+    return fn(twins.flax_model, twins.flax_params, src, src_mask, **kw)
+
+
+@pytest.mark.parametrize("which", RUNNERS)
 @pytest.mark.parametrize("bad, message", [
     (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=None), r"max_new_tokens must be an integer >= 1, got None"),
+    (dict(max_new_tokens=-3), r"max_new_tokens must be an integer >= 1, got -3"),
+    (dict(max_new_tokens="3"), r"max_new_tokens must be an integer >= 1, got '3'"),
     (dict(suppress_tokens=[512]), "outside the vocabulary"),
     (dict(suppress_tokens=range(512)), "no token can be chosen"),
     (dict(eos_token_id=-1), "eos_token_id"),
     (dict(pad_token_id=10_000), "pad_token_id"),
     (dict(suppress_tokens=[2.5]), "integer token ids"),
     (dict(src=np.full((3, 16), 512)), r"src has ids \[512\] outside the model's vocabulary"),
-    (dict(src=np.full((3, 16), 7.0)), "token ids must be integers"),
+    # ids no integer dtype holds (int32, int64, even uint64) are out of vocabulary, not an overflow in a conversion
+    (dict(src=np.array([[5, 3_000_000_000]])), r"src has ids \[3000000000\] outside"),
+    (dict(src=[[5, 3_000_000_000]]), r"src has ids \[3000000000\] outside"),
+    (dict(src=[[5, 2**63]]), rf"src has ids \[{2**63}\] outside"),
+    (dict(src=[[5, 2**64], [6, -2**70]]), rf"src has ids \[{-2**70}, {2**64}\] outside"),
+    (dict(src=np.full((3, 16), 7.0)), "token ids must be int32 or int64"),
+    (dict(src=[[7.0, 8.0]]), "src holds float values such as 7.0; token ids must be int32 or int64"),
+    (dict(src=[[True, False]]), "src holds bool values such as True; token ids must be int32 or int64"),
+    (dict(src=[[5, 6], [7]]), "src is not a rectangular array"),
     (dict(src_mask=np.ones((3, 16), bool)), r"src_mask must be \(batch, 1, 1, 16\)"),
     (dict(src_mask=np.ones((3, 1, 1, 16), np.int32)), "must be bool"),
+    (dict(src_mask=[[[[1] * 16]]] * 3), "src_mask holds int64 values; it must be bool"),
 ])
-def test_bad_arguments_name_the_problem(f32, fixture, backend, bad, message):
-    """Both twins check through convert.generation: the same one-line message, before any model work."""
+def test_bad_arguments_name_the_problem(f32, fixture, which, bad, message):
+    """Every loop checks through convert.generation, on the arguments as given: the same one-line message."""
     bad = dict(bad)
     src, mask = bad.pop("src", fixture["src"]), bad.pop("src_mask", None)
     kw = {"max_new_tokens": 3, **bad}
-    with pytest.raises(GenerationError, match=message):
-        if backend == "torch":
-            torch_generate(f32.torch_model, torch.from_numpy(src), None if mask is None else torch.from_numpy(mask),
-                           **kw)
-        else:
-            flax_generate(f32.flax_model, f32.flax_params, jnp.asarray(src), mask, **kw)
+    with pytest.raises(GenerationError, match=message) as raised:
+        _call(f32, which, src, mask, **kw)
+    assert "\n" not in str(raised.value)
+
+
+NOT_TOKEN_DTYPES = ["int8", "int16", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "bool"]
+
+
+@pytest.mark.parametrize("form", ["numpy", "native"])  # native: a torch tensor for torch, a jax array for flax
+@pytest.mark.parametrize("which", ["torch-cached", "torch-recompute", "flax-cached", "flax-recompute"])
+def test_both_twins_take_int32_and_int64_ids_and_refuse_every_other_dtype(f32, fixture, which, form):
+    def as_form(a):
+        if form == "numpy":
+            return a
+        return torch.from_numpy(a) if which.startswith("torch") else jnp.asarray(a)
+
+    mask = np.asarray(flax_padding_mask(fixture["src"]))  # (B, 1, 1, S) bool
+    for dtype in ("int32", "int64"):
+        tokens = _call(f32, which, as_form(fixture["src"].astype(dtype)), mask, max_new_tokens=3,
+                       suppress_tokens=SPECIAL)
+        np.testing.assert_array_equal(np.asarray(tokens), fixture["f32/greedy_tokens"][:, :4])
+    for dtype in NOT_TOKEN_DTYPES:
+        src = as_form(fixture["src"].astype(dtype))
+        with pytest.raises(GenerationError, match="values; token ids must be int32 or int64"):
+            _call(f32, which, src, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("which", ["torch-cached", "torch-recompute", "flax-cached", "flax-recompute"])
+def test_src_and_src_mask_as_lists_equal_arrays(f32, fixture, which):
+    src = fixture["src"]
+    mask = np.asarray(flax_padding_mask(src))  # (B, 1, 1, S) bool
+    kw = dict(max_new_tokens=4, suppress_tokens=SPECIAL)
+    as_lists = _call(f32, which, src.tolist(), mask.tolist(), **kw)
+    np.testing.assert_array_equal(np.asarray(as_lists), fixture["f32/greedy_tokens"][:, :5])
 
 
 @pytest.mark.parametrize("backend", ["torch", "flax"])
@@ -323,17 +377,64 @@ def test_suppress_tokens_as_arrays_equal_lists(f32, fixture, backend):
     np.testing.assert_array_equal(as_array, as_list)
 
 
-def test_torch_generation_runs_in_eval_mode_and_restores_the_mode():
-    """Flax generation is deterministic; so is torch's, even on a model left in training mode (dropout 0.5)."""
+def _dropout_twins() -> Twins:
     config = TransformerConfig(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, num_encoder_layers=1,
                                num_decoder_layers=1, dropout_rate=0.5, max_seq_len=32)
-    model = TorchModel.from_flax(random_flax_params(config, seed=3), config, dtype=torch.float32)
-    src = torch.from_numpy(_random_src(config, [9, 5])).long()
+    return Twins(random_flax_params(config, seed=3), config, "float32")
+
+
+def test_torch_generation_never_applies_dropout_and_leaves_the_mode_alone():
+    """Flax generation is deterministic; so is torch's on a model in training mode (dropout 0.5), unchanged."""
+    twins = _dropout_twins()
+    model = twins.torch_model
+    src = torch.from_numpy(_random_src(twins.config, [9, 5])).long()
     expected = torch_generate(model, src, max_new_tokens=6, suppress_tokens=SPECIAL)
     model.train()
+    modes = []
     for generate in (torch_generate, torch_recompute):
-        torch.testing.assert_close(generate(model, src, max_new_tokens=6, suppress_tokens=SPECIAL), expected)
-        assert model.training
+        out = generate(model, src, max_new_tokens=6, suppress_tokens=SPECIAL,
+                       streamer=lambda _: modes.append(model.training))
+        torch.testing.assert_close(out, expected)
+    assert modes and all(modes) and model.training  # generation never switched the shared model to eval
+    flax_tokens = twins.run("flax-cached", src.numpy(), masked=False, max_new_tokens=6, suppress_tokens=SPECIAL)
+    np.testing.assert_array_equal(flax_tokens, expected.numpy())
+
+
+def test_decode_step_applies_no_dropout_in_either_twin():
+    """torch's decode_step in training mode equals eval mode exactly, as Flax's decode_step ignores dropout rngs."""
+    twins = _dropout_twins()
+    model, cfg = twins.torch_model, twins.config
+    src = torch.from_numpy(_random_src(cfg, [7, 7], seed=1)).long()
+    tokens = torch.from_numpy(_random_src(cfg, [4, 4], seed=2)).long()  # (B, 4) decoder inputs
+
+    def steps():
+        enc = model.encode(src, deterministic=True)[0]
+        cache = model.new_cache(enc, 4)
+        return torch.cat([model.decode_step(tokens[:, t : t + 1], cache, t) for t in range(4)], 1), enc
+
+    with torch.no_grad():
+        eval_logits, eval_enc = steps()
+        model.train()
+        train_logits, train_enc = steps()
+        # not vacuous: in training mode this model's encoder and full decode do drop activations
+        dropped = model.encode(src)[0]
+        assert not torch.equal(dropped, eval_enc)
+        assert not torch.equal(model.decode(tokens, eval_enc), model.decode(tokens, eval_enc, deterministic=True))
+        model.eval()
+    assert torch.equal(train_enc, eval_enc) and torch.equal(train_logits, eval_logits)
+
+    # Flax: step 0 of the cached decoder with a dropout rng equals the step without one, and torch's step.
+    fm, params = twins.flax_model, twins.flax_params
+    s = jnp.asarray(src.numpy(), jnp.int32)
+    enc = fm.apply({"params": params}, s, None, method="encode")[0]
+    rope = tuple(t[:1] for t in nf_precompute_rope_freqs(cfg.head_dim, 4, cfg.rope_theta))
+    mask = (jnp.arange(4) <= 0)[None, None, None, :]
+    args = (jnp.asarray(tokens[:, :1].numpy(), jnp.int32), enc, mask, None, rope, 0, 4)
+    plain, _ = fm.apply({"params": params}, *args, method="decode_step", mutable=["cache"])
+    with_rng, _ = fm.apply({"params": params}, *args, method="decode_step", mutable=["cache"],
+                           rngs={"dropout": jax.random.PRNGKey(0)})
+    np.testing.assert_array_equal(np.asarray(with_rng), np.asarray(plain))
+    assert max_rel_error(np.asarray(plain), eval_logits[:, 0].numpy()) <= F32_REL
 
 
 @pytest.mark.parametrize("backend", ["torch", "flax"])
@@ -382,23 +483,29 @@ def test_torch_compiled_generation_matches_eager_and_compiles_one_graph(f32, fix
 
 
 @pytest.mark.slow
-def test_compiled_generation_past_the_recompile_limit_runs_eagerly(f32, fixture, monkeypatch):
-    """A process that has compiled too many variants (new lengths, say) still generates: eagerly, same tokens."""
+def test_compiled_generation_past_the_recompile_limit_runs_eagerly_and_warns(f32, fixture, monkeypatch):
+    """A process that has compiled too many variants (new lengths, say) still generates: eagerly, same tokens, and
+    says so in one warning naming the cause and the fix."""
     import importlib
 
     gen = importlib.import_module("needle_torch.generate")
     eager_steps, real = [], gen._step_and_pick
 
-    def spy(model, tokens, cache, pos, *rest):
-        if isinstance(pos, int):  # the eager fallback passes int positions; compiled steps 0-d tensors
-            eager_steps.append(pos)
-        return real(model, tokens, cache, pos, *rest)
+    def spy(*args):
+        if not torch.compiler.is_compiling():  # a compiled step runs its graph, never this Python function
+            eager_steps.append(args[3])
+        return real(*args)
 
     monkeypatch.setattr(gen, "_step_and_pick", spy)
     src = torch.from_numpy(fixture["src"]).long()
     mask = torch_padding_mask(src)
-    with torch._dynamo.config.patch(recompile_limit=1):
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(CompileFallbackWarning) as caught:
         for steps in (3, 4, 5):  # three cache lengths: three graphs wanted, one allowed
             compiled = torch_generate(f32.torch_model, src, mask, steps, suppress_tokens=SPECIAL, compile=True)
             np.testing.assert_array_equal(compiled.numpy(), fixture["f32/greedy_tokens"][:, : 1 + steps])
     assert eager_steps, "the limit was never reached, so the fallback went untested"
+    messages = {str(w.message) for w in caught if w.category is CompileFallbackWarning}
+    assert len(messages) == 1
+    (message,) = messages
+    assert "recompile limit" in message and "torch._dynamo.config.recompile_limit" in message
+    assert "fewer distinct" in message and "\n" not in message

@@ -20,6 +20,9 @@ CKPT = REPO / "tests" / "data" / "needle-v1-tiny.pkl"
 FIXTURE = np.load(REPO / "tests" / "data" / "needle-v1-tiny.npz")
 SPECIAL = "0 1 2 3 4 5"  # what the fixture's greedy loop never chose
 
+# `--compile` runs must test compiled code: a fallback to eager past dynamo's recompile limit fails them.
+pytestmark = pytest.mark.filterwarnings("error::needle_torch.generate.CompileFallbackWarning")
+
 
 def _row(r: int) -> tuple[str, list[int]]:
     """Fixture encoder row r without its padding (a single sequence needs no mask), and its greedy tokens."""
@@ -117,6 +120,21 @@ def test_generate_bad_input_is_one_line_and_exit_2(args, message):
     assert message in result.output and "Traceback" not in result.output
 
 
+# Ids no integer dtype holds: int32 (Flax's), int64 (torch's), uint64.
+HUGE_IDS = ["5 3000000000", f"5 {2**63}", f"5 {2**64}", f"5 -{2**70}"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "flax", "torch --compile"])
+@pytest.mark.parametrize("ids", HUGE_IDS)
+def test_generate_huge_ids_are_out_of_vocabulary_one_line_exit_2(ids, backend):
+    result = CliRunner().invoke(app, ["generate", str(CKPT), "--tokens", ids, "--backend", *backend.split()])
+    assert result.exit_code == 2, result.output
+    bad = ids.split()[1]
+    assert result.output.strip().splitlines() == [
+        f"error: src has ids [{bad}] outside the model's vocabulary [0, 512); is the tokenizer the one this model "
+        "was trained with?"]
+
+
 def test_generate_bad_tools_json_and_missing_checkpoint(tokenizer_path, tmp_path):
     bad_json = CliRunner().invoke(app, ["generate", str(CKPT), "--query", "w1", "--tools", "[{", "--tokenizer",
                                         str(tokenizer_path)])
@@ -136,6 +154,16 @@ def test_generate_subprocess_streams_upstream_tokens():
     assert proc.returncode == 0, proc.stderr
     assert _streamed_ids(proc.stdout) == expected[1:]
     assert "11 tokens in" in proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["torch", "flax"])
+def test_generate_subprocess_huge_id_is_one_line_exit_2(backend):
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli", "generate", str(CKPT), "--tokens", f"5 {2**64}", "--backend", backend],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"error: src has ids [{2**64}] outside the model's vocabulary "
+                                                "[0, 512); is the tokenizer the one this model was trained with?"]
 
 
 def test_generate_subprocess_with_tokenizer_and_flax(tokenizer_path):
