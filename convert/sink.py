@@ -177,12 +177,16 @@ class SequentialFile:
         return self
 
     def __exit__(self, kind, value, tb) -> None:
+        failed = kind is not None
         try:
-            if kind is None:
+            if not failed:
                 self.finish()
+        except BaseException:
+            failed = True  # e.g. a write failing in finish: the writes queued behind it are dropped too
+            raise
         finally:
             # A write in flight finishes before the ring and fd go; after an error, queued ones are dropped.
-            self._writer.shutdown(wait=True, cancel_futures=kind is not None)
+            self._writer.shutdown(wait=True, cancel_futures=failed)
             os.close(self.fd)
             del self.ring
             try:
