@@ -1,12 +1,17 @@
-"""Small builders shared by the converter tests: tiny configs, upstream pickles written the upstream way."""
+"""Shared by the converter tests: tiny configs and pickles written the upstream way, the CLI, its refusals."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+from typer.testing import CliRunner
 
 from convert.config import TransformerConfig
 from convert.mapping import flatten_tree, random_flax_params
@@ -21,6 +26,18 @@ def write_upstream_pickle(path: Path, params: dict, config: dict) -> Path:
     """What upstream does: plain pickle.dump of {"params": numpy tree, "config": explicitly set fields}."""
     with open(path, "wb") as f:
         pickle.dump({"params": params, "config": config}, f)
+    return path
+
+
+def read_pickle(path: Path) -> object:
+    """A plain pickle.load, as upstream code reads its checkpoints."""
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def tiny_config_json(path: Path, config: TransformerConfig = TINY) -> Path:
+    """config as a config.json-style file (every field), for --config or to sit beside a bare weights file."""
+    path.write_text(json.dumps(config.to_dict()))
     return path
 
 
@@ -53,3 +70,32 @@ class RunsCommand:
 
     def __reduce__(self):
         return os.system, (f"touch {self.marker}",)
+
+
+def run_cli(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m cli ARGS` as a real process from the repository root."""
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_refused(tmp_path: Path, src: Path, pattern: str, dst_name: str = "out.safetensors", *extra: str | Path,
+                   process: bool = False, never: re.Pattern | None = None) -> str:
+    """`convert` (in-process, or a real process) exits 2 with one `error:` line matching pattern; nothing written."""
+    import cli  # here, not at import: the helpers serve tests that never run the CLI
+
+    dst = tmp_path / dst_name
+    args = ["convert", str(src), str(dst), *map(str, extra)]
+    if process:
+        result = run_cli(*args)
+        code, details = result.returncode, (result.returncode, result.stdout, result.stderr)
+    else:
+        result = CliRunner().invoke(cli.app, args)
+        code, details = result.exit_code, (result.exit_code, result.stdout, result.stderr, result.exception)
+    message = result.stderr.strip()
+    assert code == 2, details
+    assert "\n" not in message and "Traceback" not in message, message
+    assert message.startswith("error: ") and re.search(pattern, message), message
+    assert never is None or not never.search(message), message
+    assert not dst.exists(), f"{dst} was written"
+    assert leftovers(tmp_path) == []
+    return message

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FIXTURE_PKL
-from convert_helpers import REPO, TINY, assert_trees_bit_identical, leftovers
+from convert_helpers import REPO, TINY, assert_trees_bit_identical, leftovers, run_cli
 
 from convert import atomic
 from convert.io import read_checkpoint, write_checkpoint
@@ -39,11 +39,6 @@ def make_dir(path: Path) -> Path:
     path.mkdir()
     (path / "model.safetensors").write_bytes(b"half-written shard")
     return path
-
-
-def run_cli(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def assert_is_fixture(path: Path, dtype: str | None = None) -> None:

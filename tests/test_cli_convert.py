@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -12,11 +11,21 @@ import textwrap
 import numpy as np
 import pytest
 from conftest import FIXTURE_PKL
-from convert_helpers import REPO, TINY, assert_trees_bit_identical, leftovers, tiny_pickle, write_upstream_pickle
+from convert_helpers import (
+    REPO,
+    TINY,
+    assert_trees_bit_identical,
+    leftovers,
+    read_pickle,
+    run_cli,
+    tiny_config_json,
+    tiny_pickle,
+    write_upstream_pickle,
+)
 from typer.testing import CliRunner
 
 import cli
-from convert.mapping import flatten_tree, flax_to_torch_numpy, random_flax_params
+from convert.mapping import flatten_tree, flax_to_torch_numpy, random_flax_params, unflatten_tree
 
 runner = CliRunner()
 
@@ -25,36 +34,26 @@ def invoke(*args: str):
     return runner.invoke(cli.app, [str(a) for a in args])
 
 
-def run(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, **kwargs)
-
-
-def _load(path):
-    with open(path, "rb") as f:
-        return pickle.load(f)
-
-
 def test_convert_both_ways_in_process(tmp_path):
     st, back = tmp_path / "m.safetensors", tmp_path / "back.pkl"
     result = invoke("convert", FIXTURE_PKL, st)
     assert result.exit_code == 0, result.stderr
     assert "wrote" in result.stdout and "upstream-pickle" in result.stdout and "float16" in result.stdout
     assert invoke("convert", st, back, "--quiet").stdout == ""
-    original, again = _load(FIXTURE_PKL), _load(back)
+    original, again = read_pickle(FIXTURE_PKL), read_pickle(back)
     assert_trees_bit_identical(again["params"], original["params"])
     assert again["config"] == original["config"]
 
 
 def test_convert_as_subprocess(tmp_path):
     st = tmp_path / "m.safetensors"
-    result = run("convert", FIXTURE_PKL, st)
+    result = run_cli("convert", FIXTURE_PKL, st)
     assert result.returncode == 0, result.stderr
     assert st.is_file() and result.stderr == ""
-    again = run("convert", FIXTURE_PKL, st)  # exists, no --force
+    again = run_cli("convert", FIXTURE_PKL, st)  # exists, no --force
     assert again.returncode == 2
     assert again.stderr.strip().count("\n") == 0 and "already exists; pass --force" in again.stderr
-    assert run("convert", FIXTURE_PKL, st, "--force", "--dtype", "bfloat16").returncode == 0
+    assert run_cli("convert", FIXTURE_PKL, st, "--force", "--dtype", "bfloat16").returncode == 0
 
 
 def test_hostile_pickle_as_subprocess(tmp_path):
@@ -62,7 +61,7 @@ def test_hostile_pickle_as_subprocess(tmp_path):
     evil = tmp_path / "evil.pkl"
     evil.write_bytes(b"\x80\x02cposix\nsystem\n(X" + f"touch {marker}".encode().__len__().to_bytes(4, "little")
                      + f"touch {marker}".encode() + b"tR.")
-    result = run("convert", evil, tmp_path / "out.safetensors")
+    result = run_cli("convert", evil, tmp_path / "out.safetensors")
     assert result.returncode == 2
     assert "forbidden global posix.system" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -113,11 +112,11 @@ def test_config_option_for_a_bare_state_dict(tmp_path):
     params = random_flax_params(TINY, dtype="bfloat16")
     torch.save(flax_to_torch(params, TINY), tmp_path / "ft.pt")
     (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "tiny.json").write_text(json.dumps(TINY.to_dict(only_non_default=True)))
+    tiny_config_json(tmp_path / "cfg" / "tiny.json")
     assert invoke("convert", tmp_path / "ft.pt", tmp_path / "x.pkl").exit_code == 2  # no config anywhere
     result = invoke("convert", tmp_path / "ft.pt", tmp_path / "x.pkl", "--config", tmp_path / "cfg" / "tiny.json")
     assert result.exit_code == 0, result.stderr
-    assert_trees_bit_identical(_load(tmp_path / "x.pkl")["params"], params)
+    assert_trees_bit_identical(read_pickle(tmp_path / "x.pkl")["params"], params)
 
 
 def test_inspect_json_lists_everything(tmp_path):
@@ -125,7 +124,7 @@ def test_inspect_json_lists_everything(tmp_path):
     result = invoke("inspect", tmp_path / "m.safetensors", "--json")
     assert result.exit_code == 0, result.stderr
     info = json.loads(result.stdout)
-    original = _load(FIXTURE_PKL)
+    original = read_pickle(FIXTURE_PKL)
     assert info["format"] == "safetensors" and info["layout"] == "torch" and info["check"] == "ok"
     assert info["config"]["d_model"] == original["config"]["d_model"] == 64
     flat = flatten_tree(original["params"])
@@ -155,8 +154,7 @@ def test_inspect_names_the_config_it_used_and_what_its_check_covers(tmp_path):
 
     save_file({k: v.copy() for k, v in flax_to_torch_numpy(
         random_flax_params(TINY, dtype="float16"), TINY).items()}, tmp_path / "bare.safetensors")  # no metadata
-    cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(TINY.to_dict()))
+    cfg = tiny_config_json(tmp_path / "cfg.json")
     result = invoke("inspect", tmp_path / "bare.safetensors", "--config", cfg)
     assert result.exit_code == 0, result.output
     assert f"from {cfg}" in result.stdout
@@ -171,8 +169,6 @@ def test_diff_reports_key_and_value_differences(tmp_path):
     kernel = "decoder/layers/DecoderBlock_0/self_attn/v_proj/kernel"
     changed[kernel][1, 2, 3] += 0.25
     changed[kernel][0, 0, 0] -= 0.5
-    from convert.mapping import unflatten_tree
-
     b = write_upstream_pickle(tmp_path / "b.pkl", unflatten_tree(changed), TINY.to_dict(only_non_default=True))
     invoke("convert", b, tmp_path / "b.safetensors")
     result = invoke("diff", a, tmp_path / "b.safetensors", "--json")
@@ -212,8 +208,7 @@ def test_diff_lists_missing_and_unknown_tensors_instead_of_refusing(tmp_path):
     gone = "decoder.layers.0.cross_attn.k_proj.weight"
     del tensors[gone]
     save_file(tensors, tmp_path / "partial.safetensors")
-    cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(TINY.to_dict()))
+    cfg = tiny_config_json(tmp_path / "cfg.json")
     result = invoke("diff", b, tmp_path / "partial.safetensors", "--config-b", cfg, "--json")
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
@@ -240,8 +235,7 @@ def test_diff_compares_the_layers_present_when_a_torch_file_lacks_some(tmp_path)
     b = {**a, torch_norm[0]: (a[torch_norm[0]].astype(np.float32) + 5).astype(a[torch_norm[0]].dtype)}
     save_file(a, tmp_path / "a.safetensors")
     save_file(b, tmp_path / "b.safetensors")
-    cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(TINY.to_dict()))
+    cfg = tiny_config_json(tmp_path / "cfg.json")
     report = json.loads(invoke("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--config-a", cfg,
                                "--config-b", cfg, "--json").stdout)
     rows = {t["name"]: t for t in report["tensors"]}

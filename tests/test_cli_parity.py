@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from convert_helpers import run_cli
 from typer.testing import CliRunner
 
 from cli import app
 
-REPO = Path(__file__).resolve().parent.parent
 FIXTURE = "tests/data/needle-v1-tiny.pkl"
 FIXTURE_NPZ = "tests/data/needle-v1-tiny.npz"
 FAST = ["--no-grads", "--generate", "0"]  # the gradient and generation checks have their own tests
+PROCESS_TIMEOUT = 600  # s: a real parity process imports and compiles both twins from scratch on 2 shared cores
 
 runner = CliRunner()
 
 
 def _invoke(*args: str):
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
-
-
-def _subprocess(*args: str, timeout: int = 600):
-    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +51,7 @@ def corrupted(tmp_path_factory, fixture_checkpoint):
 def test_corrupted_layer_fails_with_exit_1_naming_the_layer(corrupted, tmp_path):
     """The acceptance run, as a real process: exit 1, first_divergence names decoder layer 1."""
     out = tmp_path / "out.json"
-    r = _subprocess("parity", FIXTURE, "--torch", corrupted, "--json", out, *FAST)
+    r = run_cli("parity", FIXTURE, "--torch", corrupted, "--json", out, *FAST, timeout=PROCESS_TIMEOUT)
     assert r.returncode == 1, r.stderr
     report = json.loads(out.read_text())
     assert report["passed"] is False and report["first_divergence"] == "decoder.layers.1.self_attn"
@@ -133,7 +126,8 @@ def test_rescore(tmp_path):
     saved = json.loads(first.read_text())
 
     tight = tmp_path / "tight.json"
-    r = _subprocess("rescore", first, "--rtol", "1e-9", "--json", tight, "--html", tmp_path / "tight.html")
+    r = run_cli("rescore", first, "--rtol", "1e-9", "--json", tight, "--html", tmp_path / "tight.html",
+                timeout=PROCESS_TIMEOUT)
     assert r.returncode == 1, r.stderr
     again = json.loads(tight.read_text())
     assert again["passed"] is False and again["first_divergence"] is not None
@@ -209,7 +203,7 @@ def test_bad_inputs_leave_no_file(tmp_path):
 def test_rescore_bad_report(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    r = _subprocess("rescore", bad)
+    r = run_cli("rescore", bad, timeout=PROCESS_TIMEOUT)
     assert r.returncode == 2 and "not a needle-twin parity report" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -240,7 +234,7 @@ def test_tokenizer_text_inputs(tmp_path):
 def test_embedded_default_runs_as_the_readme_says(tmp_path):
     """The README's main command: no checkpoint, the seeded random published-size model."""
     out = tmp_path / "r.json"
-    r = _subprocess("parity", "--json", out, "--no-grads", "--generate", "2")
+    r = run_cli("parity", "--json", out, "--no-grads", "--generate", "2", timeout=PROCESS_TIMEOUT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["num_params"] == 26_315_421 and report["passed"] is True

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_helpers import TINY, RunsCommand, leftovers, tiny_pickle, write_upstream_pickle
+from convert_helpers import (
+    TINY,
+    RunsCommand,
+    assert_refused,
+    leftovers,
+    read_pickle,
+    tiny_pickle,
+    write_upstream_pickle,
+)
 from typer.testing import CliRunner
 
 import cli
@@ -17,22 +25,6 @@ from convert import io
 from convert.mapping import flax_to_torch_numpy, random_flax_params
 
 runner = CliRunner()
-
-
-def assert_refused(tmp_path: Path, src: Path, pattern: str, dst_name: str = "out.safetensors", *extra: str) -> str:
-    """Run convert; check exit 2, a single-line message matching pattern, no traceback, no output, no temp files."""
-    dst = tmp_path / dst_name
-    result = runner.invoke(cli.app, ["convert", str(src), str(dst), *extra])
-    message = result.stderr.strip()
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr, result.exception)
-    assert "\n" not in message and "Traceback" not in message, message
-    assert message.startswith("error: ")
-    import re
-
-    assert re.search(pattern, message), message
-    assert not dst.exists(), f"{dst} was written"
-    assert leftovers(tmp_path) == []
-    return message
 
 
 def _truncate(path: Path, size: int) -> Path:
@@ -206,8 +198,7 @@ def test_q_proj_contradicting_d_model_is_named(tmp_path):
 def test_config_contradicting_embedding_gets_a_hint(tmp_path):
     src = tiny_pickle(tmp_path / "m.pkl")
     wrong = TINY.replace(d_model=64)
-    with open(src, "rb") as f:
-        params = pickle.load(f)["params"]
+    params = read_pickle(src)["params"]
     src2 = write_upstream_pickle(tmp_path / "w.pkl", params, wrong.to_dict(only_non_default=True))
     assert_refused(tmp_path, src2, r"The embedding \(64, 32\) says d_model=32 but config.d_model=64; fix the config")
 

@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
+import threading
 
 import ml_dtypes
 import numpy as np
 import pytest
 from conftest import FIXTURE_PKL
-from convert_helpers import REPO, TINY, TINY_FFN, assert_trees_bit_identical, tiny_pickle, write_upstream_pickle
+from convert_helpers import (
+    REPO,
+    TINY,
+    TINY_FFN,
+    assert_trees_bit_identical,
+    read_pickle,
+    tiny_config_json,
+    tiny_pickle,
+    write_upstream_pickle,
+)
 
 from convert import io
 from convert.errors import CheckpointError, NeedleTwinError
-from convert.mapping import flatten_tree, flax_to_torch_numpy, random_flax_params
-
-
-def _plain_pickle(path):
-    with open(path, "rb") as f:
-        return pickle.load(f)
-
+from convert.mapping import flatten_tree, flax_to_torch_numpy, random_flax_params, unflatten_tree
+from convert.plan import Piece, Planned
+from convert.tensors import TensorRef
 
 # ----------------------------------------------------------------------------- detection
 
@@ -56,12 +63,12 @@ def test_contradicting_to_is_an_error(tmp_path):
 
 
 def test_upstream_pickle_safetensors_pickle_is_bit_exact(tmp_path):
-    original = _plain_pickle(FIXTURE_PKL)
+    original = read_pickle(FIXTURE_PKL)
     src = io.open_source(FIXTURE_PKL)
     io.write_source(src, io.resolve_config(src), tmp_path / "m.safetensors")
     back = io.open_source(tmp_path / "m.safetensors")
     io.write_source(back, io.resolve_config(back), tmp_path / "back.pkl")
-    again = _plain_pickle(tmp_path / "back.pkl")  # plain pickle.load, as upstream code reads it
+    again = read_pickle(tmp_path / "back.pkl")  # plain pickle.load, as upstream code reads it
     assert_trees_bit_identical(again["params"], original["params"])
     assert again["config"] == original["config"]
     assert list(again["config"]) == list(original["config"])  # even the key order
@@ -84,7 +91,7 @@ def test_upstream_config_dict_survives_every_format_exactly(tmp_path, via):
                     format=io.infer_write_format(middle, to))
     back = io.open_source(middle)
     io.write_source(back, io.resolve_config(back), tmp_path / "back.pkl")
-    again = _plain_pickle(tmp_path / "back.pkl")
+    again = read_pickle(tmp_path / "back.pkl")
     assert again["config"] == stored and list(again["config"]) == list(stored)
     assert_trees_bit_identical(again["params"], params)
 
@@ -106,8 +113,8 @@ def test_byte_identical_through_small_bands_and_write_blocks(tmp_path, monkeypat
         io.write_source(src, io.resolve_config(src), tmp_path / name)
         back = io.open_source(tmp_path / name)
         io.write_source(back, io.resolve_config(back), tmp_path / f"{name}.pkl")
-    assert_trees_bit_identical(_plain_pickle(tmp_path / "m.safetensors.pkl")["params"],
-                               _plain_pickle(FIXTURE_PKL)["params"])
+    assert_trees_bit_identical(read_pickle(tmp_path / "m.safetensors.pkl")["params"],
+                               read_pickle(FIXTURE_PKL)["params"])
     monkeypatch.undo()  # default bands and blocks write the same bytes
     io.write_source(src, io.resolve_config(src), tmp_path / "default.safetensors")
     back = io.open_source(tmp_path / "default.safetensors")
@@ -118,8 +125,9 @@ def test_byte_identical_through_small_bands_and_write_blocks(tmp_path, monkeypat
     assert (tmp_path / "m.msgpack.pkl").read_bytes() == default[".pkl"]
 
 
-def failing_pwrite(monkeypatch, call: int, code: int) -> list[int]:
-    """The sink's pwrite fails with OSError(code) on its `call`-th call; returns the offsets of every call."""
+def failing_pwrite(monkeypatch, call: int, code: int, hold_later: threading.Event | None = None) -> list[int]:
+    """The sink's pwrite fails with OSError(code) on its `call`-th call (later calls first wait for `hold_later`
+    when given); returns the offsets of every call."""
     from convert import sink
 
     real_pwrite, calls = os.pwrite, []
@@ -128,6 +136,8 @@ def failing_pwrite(monkeypatch, call: int, code: int) -> list[int]:
         calls.append(offset)
         if len(calls) == call:
             raise OSError(code, os.strerror(code))
+        if hold_later is not None and len(calls) > call:
+            hold_later.wait(60)  # s: a bound on a hang, not a timing; the event comes as soon as the writer stops
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(sink.os, "pwrite", pwrite)
@@ -136,39 +146,52 @@ def failing_pwrite(monkeypatch, call: int, code: int) -> list[int]:
 
 def test_direct_io_refused_mid_file_falls_back_to_buffered_writes(tmp_path, monkeypatch):
     """A filesystem that accepts O_DIRECT at open but rejects the writes (EINVAL) still gets the whole file."""
-    import errno
-
     from convert import sink
 
     calls = failing_pwrite(monkeypatch, 1, errno.EINVAL)
     monkeypatch.setattr(sink, "_BLOCK", 2 * sink._ALIGN)
     payload = np.arange(5000, dtype=np.float32)  # 20,000 bytes: two full blocks and a tail
-    sink.write_file(tmp_path / "out.bin", [b"head", Planned_of("x", payload), b"tail"])
+    sink.write_file(tmp_path / "out.bin", [b"head", Planned.of("x", payload), b"tail"])
     assert (tmp_path / "out.bin").read_bytes() == b"head" + payload.tobytes() + b"tail"
     assert len(calls) >= 4  # the refused write was retried, then the rest went through
 
 
-def test_full_disk_mid_file_leaves_nothing_and_says_so(tmp_path, monkeypatch):
+def test_full_disk_mid_file_leaves_nothing_and_says_so(tmp_path, tmp_path_factory, monkeypatch):
     """ENOSPC on a block write: one NeedleTwinError naming the output, no temp file left, queued writes dropped."""
-    import errno
-    import threading
-
     from convert import sink
 
-    calls = failing_pwrite(monkeypatch, 2, errno.ENOSPC)
-    monkeypatch.setattr(sink, "_BLOCK", sink._ALIGN)  # ~120 KB fixture: ~30 blocks
+    monkeypatch.setattr(sink, "_BLOCK", sink._ALIGN)
     src = io.open_source(FIXTURE_PKL)
+    whole = tmp_path_factory.mktemp("whole") / "m.safetensors"
+    io.write_source(src, io.resolve_config(src), whole)
+    blocks = math.ceil(whole.stat().st_size / sink._BLOCK)  # the writes had every one gone through (56)
+    stopped = threading.Event()  # the sink has shut its writer down (dropping its queue, if it does)
+    real_executor = sink.ThreadPoolExecutor
+
+    def executor(*args, **kwargs):
+        pool = real_executor(*args, **kwargs)
+        if kwargs.get("thread_name_prefix") == "needle-twin-write":
+            shutdown = pool.shutdown
+
+            def watched(wait=True, *, cancel_futures=False):
+                shutdown(wait=False, cancel_futures=cancel_futures)  # the queued writes are cancelled here, or not
+                stopped.set()
+                shutdown(wait=wait)
+
+            pool.shutdown = watched
+        return pool
+
+    monkeypatch.setattr(sink, "ThreadPoolExecutor", executor)
+    # writes after the failed one wait until the writer is shut down, so every block queued by then is either
+    # dropped by the sink or written: which one does not depend on how the threads happen to be scheduled
+    calls = failing_pwrite(monkeypatch, 2, errno.ENOSPC, hold_later=stopped)
     with pytest.raises(NeedleTwinError, match=r"m\.safetensors failed: No space left on device.*nothing was written"):
         io.write_source(src, io.resolve_config(src), tmp_path / "m.safetensors")
     assert list(tmp_path.iterdir()) == []
-    assert len(calls) < 10  # the blocks queued behind the failed write were not written
+    # 3: the write before the failed one, the failed one, and the one the writer thread may already have taken
+    # off its queue; every other block queued behind the failure (up to the ring's 18, of the 56) was dropped
+    assert len(calls) <= 3 < blocks, (len(calls), blocks)
     assert not [t for t in threading.enumerate() if t.name.startswith("needle-twin")]
-
-
-def Planned_of(name, array):
-    from convert.plan import Planned
-
-    return Planned.of(name, array)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -196,7 +219,7 @@ def test_orbax_round_trip(tmp_path, dtype):
     src = io.open_source(tmp_path / "orbax")
     io.write_source(src, TINY, tmp_path / "o.safetensors")
     io.write_source(io.open_source(tmp_path / "o.safetensors"), TINY, tmp_path / "o.pkl")
-    assert_trees_bit_identical(_plain_pickle(tmp_path / "o.pkl")["params"], params)
+    assert_trees_bit_identical(read_pickle(tmp_path / "o.pkl")["params"], params)
 
 
 def test_orbax_saved_sharded_over_two_devices_restores_to_numpy(tmp_path):
@@ -240,7 +263,7 @@ def test_msgpack_is_compatible_with_flax_serialization(tmp_path):
     assert restored["config"] == TINY.to_dict(only_non_default=True)
     # A bare params tree written by flax itself, config beside it.
     (tmp_path / "flax.msgpack").write_bytes(serialization.to_bytes(params))
-    (tmp_path / "config.json").write_text(json.dumps(TINY.to_dict()))
+    tiny_config_json(tmp_path / "config.json")
     assert_trees_bit_identical(io.read_checkpoint(tmp_path / "flax.msgpack").params, params)
 
 
@@ -321,15 +344,13 @@ def test_safetensors_metadata(tmp_path):
     assert meta["tool_version"] == io.tool_version() and meta["tool_version"] != "0+unknown"
     assert meta["dtype_cast"] == "bfloat16"
     assert json.loads(meta["config"]) == io.resolve_config(src).to_dict()
-    assert json.loads(meta["upstream_config"]) == _plain_pickle(FIXTURE_PKL)["config"]
+    assert json.loads(meta["upstream_config"]) == read_pickle(FIXTURE_PKL)["config"]
 
 
 def test_float64_weights_need_an_explicit_cast_and_then_round_once(tmp_path):
     """JAX with x64 saves float64: refused as is (naming the fix, not blaming the config), cast exactly."""
     params = random_flax_params(TINY, seed=4, dtype="float32")
     wide = {k: v.astype(np.float64) + 1e-12 for k, v in flatten_tree(params).items()}  # not float32-exact
-    from convert.mapping import unflatten_tree
-
     src = io.open_source(write_upstream_pickle(tmp_path / "f64.pkl", unflatten_tree(wide),
                                                TINY.to_dict(only_non_default=True)))
     with pytest.raises(CheckpointError, match=r"\d+ tensors are float64 \(.*cast other floats with needle-twin "
@@ -361,7 +382,7 @@ def test_dtype_cast_widens_exactly(tmp_path):
     src = io.open_source(FIXTURE_PKL)
     io.write_source(src, io.resolve_config(src), tmp_path / "f32.safetensors", dtype="float32")
     wide = flatten_tree(io.read_checkpoint(tmp_path / "f32.safetensors").params)
-    narrow = flatten_tree(_plain_pickle(FIXTURE_PKL)["params"])
+    narrow = flatten_tree(read_pickle(FIXTURE_PKL)["params"])
     for k, v in narrow.items():
         assert wide[k].dtype == np.float32
         assert np.array_equal(wide[k], v.astype(np.float32))  # float16 -> float32 is exact
@@ -384,7 +405,7 @@ def test_pickle_writer_output_names_only_allowlisted_globals(tmp_path):
     strings = [arg for op, arg, _ in pickletools.genops((tmp_path / "m.pkl").read_bytes())
                if op.name == "SHORT_BINUNICODE"]
     assert {"numpy._core.multiarray", "_reconstruct", "ndarray", "dtype", "ml_dtypes", "bfloat16"} <= set(strings)
-    assert_trees_bit_identical(_plain_pickle(tmp_path / "m.pkl")["params"], params)
+    assert_trees_bit_identical(read_pickle(tmp_path / "m.pkl")["params"], params)
 
 
 def test_read_checkpoint_refuses_a_config_that_contradicts_the_file():
@@ -400,13 +421,13 @@ def test_existing_output_needs_force(tmp_path):
         io.write_checkpoint(params, TINY, dst)
     assert dst.read_bytes() == b"keep me"
     io.write_checkpoint(params, TINY, dst, force=True)
-    assert_trees_bit_identical(_plain_pickle(dst)["params"], params)
+    assert_trees_bit_identical(read_pickle(dst)["params"], params)
     assert sorted(os.listdir(tmp_path)) == ["m.pkl"]
 
 
 def test_tiny_pickle_helper_matches_upstream_layout(tmp_path):
     path = tiny_pickle(tmp_path / "t.pkl")
-    assert set(_plain_pickle(path)) == {"params", "config"}
+    assert set(read_pickle(path)) == {"params", "config"}
     assert io.read_checkpoint(path).config == TINY
 
 
@@ -415,7 +436,7 @@ def test_checkpoint_metadata_can_be_passed_back_to_write_checkpoint(tmp_path):
     ckpt = io.read_checkpoint(FIXTURE_PKL)
     io.write_checkpoint(ckpt.params, ckpt.config, tmp_path / "m.pkl",
                         metadata={**ckpt.metadata, "config": "{stale}", "source_sha256": "f" * 64})
-    assert _plain_pickle(tmp_path / "m.pkl")["config"] == _plain_pickle(FIXTURE_PKL)["config"]
+    assert read_pickle(tmp_path / "m.pkl")["config"] == read_pickle(FIXTURE_PKL)["config"]
     io.write_checkpoint(ckpt.params, ckpt.config, tmp_path / "m.safetensors", metadata={"config": "{stale}",
                                                                                        "run": "exp-7"})
     meta = io.open_source(tmp_path / "m.safetensors").metadata
@@ -436,7 +457,7 @@ def test_flax_format_to_safetensors_and_back(tmp_path, fmt, dtype):
     mid = io.open_source(tmp_path / "mid.safetensors")
     io.write_source(mid, io.resolve_config(mid), back, format=fmt)
     if fmt == io.PICKLE:
-        a, b = _plain_pickle(first), _plain_pickle(back)
+        a, b = read_pickle(first), read_pickle(back)
         assert a["config"] == b["config"] == TINY_FFN.to_dict(only_non_default=True)
         assert_trees_bit_identical(b["params"], params)
     elif fmt == io.MSGPACK:
@@ -477,11 +498,7 @@ def test_finite_check_bit_test(dtype):
 
 @pytest.mark.parametrize("pipeline, fallocate", [(True, True), (False, False)])
 def test_sink_lays_out_segments_and_fills_tensors_in_place(tmp_path, monkeypatch, pipeline, fallocate):
-    import errno
-
     from convert import sink
-    from convert.plan import Piece, Planned
-    from convert.tensors import TensorRef
 
     if not fallocate:  # e.g. a network filesystem: the file just grows as it is written
 
@@ -507,8 +524,9 @@ def test_sink_lays_out_segments_and_fills_tensors_in_place(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("pipeline, direct", [(True, True), (True, False), (False, True)])
 def test_sink_ring_wraps_inside_parts_and_byte_segments(tmp_path, monkeypatch, pipeline, direct):
-    """Items of every size through a ring of 4 KiB blocks (3 by default, 8 here: sized up front for the largest
-    item): items the wrap cuts (made in the overhang, then folded to the front), items bigger than a block."""
+    """Items of every size through a ring of 4 KiB blocks (sink._BLOCKS, 6, patched to 3 here; grown to 8, sized up
+    front for the largest item): items the wrap cuts (made in the overhang, then folded to the front), items bigger
+    than a block."""
     from convert import sink
 
     monkeypatch.setattr(sink, "_BLOCK", sink._ALIGN)
@@ -520,14 +538,14 @@ def test_sink_ring_wraps_inside_parts_and_byte_segments(tmp_path, monkeypatch, p
     for i in range(60):
         n = int(rng.choice([1, 7, 100, 1000, 4095, 4096, 5000, 9000]))
         if i == 40:
-            n = 5 * sink._ALIGN + 3  # bigger than the default ring: it is made ceil(n / block) + 2 = 8 blocks long
+            n = 5 * sink._ALIGN + 3  # bigger than the 3-block ring: it is made ceil(n / block) + 2 = 8 blocks long
         if i % 3 == 0:
             data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
             segments.append(data)
             expected.append(data)
         else:
             array = rng.integers(0, 256, n, dtype=np.uint8)
-            segments.append(Planned_of(f"t{i}", array))
+            segments.append(Planned.of(f"t{i}", array))
             expected.append(array.tobytes())
     sink.write_file(tmp_path / "out.bin", segments, pipeline=pipeline)
     assert (tmp_path / "out.bin").read_bytes() == b"".join(expected)
@@ -535,8 +553,6 @@ def test_sink_ring_wraps_inside_parts_and_byte_segments(tmp_path, monkeypatch, p
 
 def test_sink_stops_on_the_first_failing_tensor(tmp_path):
     from convert import sink
-    from convert.plan import Piece, Planned
-    from convert.tensors import TensorRef
 
     def broken():
         raise CheckpointError("disk went away")
@@ -580,11 +596,7 @@ def test_lazy_pickle_source_reads_exactly_what_pickle_load_gives(tmp_path, layou
     stored = {k: (np.asfortranarray(v) if layout == "fortran" and v.ndim >= 2  # (asfortranarray makes 0-d 1-d)
                   else v.astype(">f2") if layout == "big-endian" else v)
               for k, v in flatten_tree(params).items()}
-    from convert.mapping import unflatten_tree
-
-    path = tmp_path / "m.pkl"
-    with open(path, "wb") as f:
-        pickle.dump({"params": unflatten_tree(stored), "config": config.to_dict(only_non_default=True)}, f)
+    path = write_upstream_pickle(tmp_path / "m.pkl", unflatten_tree(stored), config.to_dict(only_non_default=True))
     source = io.open_source(path)
     q = "encoder/layers/EncoderBlock_0/self_attn/q_proj/kernel"  # (2, 128, 128) float16 = 64 KiB: lazy
     assert (source.tensors[q].span is not None) == (layout == "c")
@@ -599,8 +611,6 @@ def test_lazy_pickle_source_reads_exactly_what_pickle_load_gives(tmp_path, layou
 def test_big_endian_arrays_in_memory_are_written_as_numbers_not_bytes(tmp_path):
     params = random_flax_params(TINY, seed=12, dtype="float32")
     swapped = {k: v.astype(">f4") for k, v in flatten_tree(params).items()}
-    from convert.mapping import unflatten_tree
-
     io.write_checkpoint(unflatten_tree(swapped), TINY, tmp_path / "m.safetensors")
     assert_trees_bit_identical(io.read_checkpoint(tmp_path / "m.safetensors").params, params)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FIXTURE_PKL
-from convert_helpers import REPO, TINY, TINY_FFN, leftovers, write_upstream_pickle
+from convert_helpers import REPO, TINY, TINY_FFN, leftovers, read_pickle, write_upstream_pickle
 
 from convert import io
 from convert.errors import CheckpointError, NeedleTwinError
@@ -85,14 +85,11 @@ def test_save_pretrained_round_trip_and_force(tmp_path):
 
 
 def test_save_pretrained_output_converts_to_an_upstream_pickle(tmp_path):
-    import pickle
-
     model = SimpleAttentionNetwork(TINY)
     model.save_pretrained(tmp_path / "m.safetensors")
     source = io.open_source(tmp_path / "m.safetensors")
     io.write_source(source, io.resolve_config(source), tmp_path / "m.pkl")
-    with open(tmp_path / "m.pkl", "rb") as f:
-        data = pickle.load(f)
+    data = read_pickle(tmp_path / "m.pkl")
     assert data["config"] == TINY.to_dict(only_non_default=True)
     q = data["params"]["decoder"]["layers"]["DecoderBlock_0"]["self_attn"]["q_proj"]["kernel"]  # (L, in, out)
     assert np.array_equal(q[1], model.decoder.layers[1].self_attn.q_proj.weight.detach().numpy().T)

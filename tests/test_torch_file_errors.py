@@ -5,25 +5,23 @@ from __future__ import annotations
 import argparse
 import builtins
 import io
-import json
 import pickle
 import re
 import struct
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from convert_helpers import REPO, TINY, RunsCommand, leftovers
+from convert_helpers import TINY, RunsCommand, assert_refused, tiny_config_json
 from typer.testing import CliRunner
 
 import cli
 from convert.errors import CheckpointError
 from convert.formats import torch_format
 from convert.mapping import flax_to_torch, random_flax_params
+from convert.safe_pickle import BoundedReader
 
 runner = CliRunner()
 
@@ -68,12 +66,6 @@ def _save(path: Path, obj: object, legacy: bool = False) -> Path:
     return path
 
 
-def _config(tmp_path: Path) -> Path:
-    path = tmp_path / "tiny.json"
-    path.write_text(json.dumps(TINY.to_dict()))
-    return path
-
-
 def _cut(path: Path, fraction: float) -> Path:
     size = path.stat().st_size
     path.write_bytes(path.read_bytes()[:max(1, int(size * fraction))])
@@ -90,18 +82,10 @@ def _read_error(src: Path) -> str:
 
 
 def _cli_refuses(tmp_path: Path, src: Path, pattern: str) -> str:
-    """`python -m cli convert` as a real process: exit 2, one stderr line matching pattern, no output file."""
-    dst = tmp_path / "out.safetensors"
-    result = subprocess.run([sys.executable, "-m", "cli", "convert", str(src), str(dst), "--config",
-                             str(_config(tmp_path))], cwd=REPO, capture_output=True, text=True, timeout=120)
-    message = result.stderr.strip()
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    assert "\n" not in message and "Traceback" not in message, message
-    assert message.startswith("error: ") and re.search(pattern, message), message
-    assert not UNSAFE_ADVICE.search(message), message
-    assert not dst.exists(), f"{dst} was written"
-    assert leftovers(tmp_path) == []
-    return message
+    """`python -m cli convert` as a real process refuses src: one line matching pattern, none of torch's advice."""
+    config = tiny_config_json(tmp_path / "tiny.json")
+    return assert_refused(tmp_path, src, pattern, "out.safetensors", "--config", config, process=True,
+                          never=UNSAFE_ADVICE)
 
 
 # ----------------------------------------------------------------------------- controls
@@ -112,7 +96,8 @@ def test_untouched_file_converts(tmp_path, legacy):
     """The files the tests below cut are valid: the same command succeeds on them whole."""
     src = _save(tmp_path / "m.pt", _state(), legacy)
     dst = tmp_path / "out.safetensors"
-    result = runner.invoke(cli.app, ["convert", str(src), str(dst), "--config", str(_config(tmp_path)), "--quiet"])
+    config = tiny_config_json(tmp_path / "tiny.json")
+    result = runner.invoke(cli.app, ["convert", str(src), str(dst), "--config", str(config), "--quiet"])
     assert result.exit_code == 0, (result.stderr, result.exception)
     assert dst.is_file()
 
@@ -151,10 +136,8 @@ def test_hostile_file_through_cli(tmp_path, payload, legacy):
 
 def test_unnamed_refusal_falls_back_to_a_generic_line(tmp_path):
     """A pickle torch refuses without naming a global (opcode EXT1 here) still gets our line, not torch's advice."""
-    src = tmp_path / "odd.pt"
-    with zipfile.ZipFile(src, "w") as z:
-        z.writestr("archive/data.pkl", b"\x80\x02\x82\x01.")  # PROTO 2, EXT1 1, STOP: a whole pickle
-        z.writestr("archive/version", "3\n")
+    src = _zip_with_pickle(tmp_path / "odd.pt", b"\x80\x02\x82\x01.", zipfile.ZIP_STORED,  # PROTO 2, EXT1 1, STOP
+                           version=True)
     message = _read_error(src)
     assert re.search(rf"refused: its pickle holds objects or opcodes torch's weights-only loader does not read "
                      rf"\(Unsupported operand 130\); {RESAVE}$", message), message
@@ -164,18 +147,15 @@ def test_unnamed_refusal_falls_back_to_a_generic_line(tmp_path):
 # ----------------------------------------------------------------------------- truncated and damaged files
 
 
-@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.99])
-def test_truncated_zip(tmp_path, fraction):
-    src = _cut(_save(tmp_path / "m.pt", _state()), fraction)
-    assert re.search(rf"{ZIP_CUT}.*; {FIX}$", _read_error(src))
-    _cli_refuses(tmp_path, src, ZIP_CUT)
-
-
-@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.99])
-def test_truncated_legacy_file(tmp_path, fraction):
-    src = _cut(_save(tmp_path / "m.pt", _state(), legacy=True), fraction)
-    assert re.search(rf"{LEGACY_CUT}.*; {FIX}$", _read_error(src))
-    _cli_refuses(tmp_path, src, LEGACY_CUT)
+@pytest.mark.parametrize(("legacy", "pattern"), [(False, ZIP_CUT), (True, LEGACY_CUT)], ids=["zip", "legacy"])
+def test_truncated_file(tmp_path, legacy, pattern):
+    """Cut anywhere, the library says so; the CLI says so too (checked at one cut: a real process takes seconds)."""
+    whole = _save(tmp_path / "whole.pt", _state(), legacy).read_bytes()
+    for fraction in (0.1, 0.5, 0.99):
+        src = tmp_path / f"cut-{fraction}.pt"
+        src.write_bytes(whole)
+        assert re.search(rf"{pattern}.*; {FIX}$", _read_error(_cut(src, fraction))), fraction
+    _cli_refuses(tmp_path, src, pattern)
 
 
 @pytest.mark.parametrize("size", [1, 3])
@@ -248,23 +228,28 @@ class _Reads(io.BytesIO):
 def test_pickle_scan_never_asks_for_more_than_remains():
     data = b"\x80\x04\x8d" + struct.pack("<Q", 2**62) + b"abc"
     stream = _Reads(data)
-    seen, broken = torch_format._scan(torch_format._Bounded(stream, len(data)))
+    seen, broken = torch_format._scan(BoundedReader(stream, len(data), max_line=torch_format._MAX_LINE))
     assert broken and "unicodestring8" in broken and seen == set()
     assert stream.largest <= len(data), stream.largest
 
 
-def _zip_with_pickle(path: Path, pickle_bytes: bytes, compression: int) -> Path:
-    """A zip torch cannot load (no version record) whose data.pkl is stored with `compression`."""
+def _zip_with_pickle(path: Path, pickle_bytes: bytes, compression: int, version: bool = False) -> Path:
+    """A zip whose data.pkl is stored with `compression`; torch loads it only with a version record (`version`)."""
     with zipfile.ZipFile(path, "w", compression=compression) as z:
+        if version:
+            z.writestr("archive/version", b"3\n")
         z.writestr("archive/data.pkl", pickle_bytes)
     return path
+
+
+_PADDED_EMPTY = b"\x80\x02}q\x00." + b"\x00" * (1 << 20)  # the pickle of {}, then 1 MiB of padding it never reads
 
 
 @pytest.mark.parametrize("case", ["deflated", "huge"])
 def test_zip_pickle_is_not_inflated_or_read_whole(tmp_path, monkeypatch, case):
     """torch.save stores data.pkl small and uncompressed: a deflated (zip bomb) or oversized one is not read."""
     compression = zipfile.ZIP_DEFLATED if case == "deflated" else zipfile.ZIP_STORED
-    src = _zip_with_pickle(tmp_path / "bomb.pt", b"\x80\x02}q\x00." + b"\x00" * (1 << 20), compression)
+    src = _zip_with_pickle(tmp_path / "bomb.pt", _PADDED_EMPTY, compression)
     if case == "huge":
         monkeypatch.setattr(torch_format, "_MAX_PICKLE", 1 << 19)  # bytes; stands in for 256 MiB, below this 1 MiB
     opened = []
@@ -279,20 +264,16 @@ def test_zip_pickle_is_not_inflated_or_read_whole(tmp_path, monkeypatch, case):
 def test_zip_bomb_is_refused_before_torch_inflates_it(tmp_path, monkeypatch):
     """A deflated member claiming more than the limit never reaches torch.load (which would inflate it whole)."""
     monkeypatch.setattr(torch_format, "_MAX_PICKLE", 1 << 19)  # bytes; stands in for 256 MiB, below this 1 MiB
-    src = tmp_path / "bomb.pt"
-    with zipfile.ZipFile(src, "w", compression=zipfile.ZIP_DEFLATED) as z:
-        z.writestr("archive/version", b"3\n")  # what makes torch.load go on to inflate data.pkl
-        z.writestr("archive/data.pkl", b"\x80\x02}q\x00." + b"\x00" * (1 << 20))
+    # the version record is what makes torch.load go on to inflate data.pkl
+    src = _zip_with_pickle(tmp_path / "bomb.pt", _PADDED_EMPTY, zipfile.ZIP_DEFLATED, version=True)
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load must not see a zip bomb"))
     message = _read_error(src)
     monkeypatch.setattr(torch, "load", real_load)
     assert re.search(r"refused: archive/data\.pkl is compressed and would inflate to 1,048,582 bytes from [\d,]+ "
                      r"\(torch.save never compresses\)", message), message
-    stored = tmp_path / "stored.pt"  # the same bytes stored, as torch.save writes them: not a bomb
-    with zipfile.ZipFile(stored, "w") as z:
-        z.writestr("archive/version", b"3\n")
-        z.writestr("archive/data.pkl", b"\x80\x02}q\x00." + b"\x00" * (1 << 20))
+    # the same bytes stored, as torch.save writes them: not a bomb
+    stored = _zip_with_pickle(tmp_path / "stored.pt", _PADDED_EMPTY, zipfile.ZIP_STORED, version=True)
     assert torch_format.read(stored).tensors == {}  # torch reads its pickle ({}) and ignores the padding
 
 
