@@ -7,6 +7,7 @@ Commands stay thin: parsing and printing here, the work in the packages. Library
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import sys
 from collections.abc import Callable
 from typing import Annotated, Optional
@@ -15,11 +16,18 @@ import typer
 
 from convert.errors import NeedleTwinError
 
-__version__ = "0.1.0"
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("needle-twin")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _package_version()
 
 app = typer.Typer(
     name="needle-twin",
-    help="Flax/JAX <-> PyTorch parity and weight conversion for Needle v1.",
+    help="Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -67,7 +75,7 @@ def _root(
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
     ] = None,
 ) -> None:
-    """Flax/JAX <-> PyTorch parity and weight conversion for Needle v1."""
+    """Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2)."""
 
 
 # --- convert commands (issue 3): convert, inspect, diff ---
@@ -221,18 +229,25 @@ _GRAD_RTOL = typer.Option("--grad-rtol", help="Override the gradient budgets (re
 @guarded
 def parity_command(
     flax_ckpt: Annotated[Optional[str], typer.Argument(
-        metavar="[FLAX_CKPT]", help="Flax/upstream checkpoint (any readable format). Omitted: an embedded seeded "
-                                    "random model at the published size (26,315,421 params).")] = None,
+        metavar="[FLAX_CKPT]", help="Flax/upstream checkpoint of any family (any readable format; the family is read "
+                                    "from the file). Omitted: an embedded seeded random model at the published "
+                                    "size of --family.")] = None,
     torch_ckpt: Annotated[Optional[str], typer.Option(
         "--torch", help="Check this independently converted torch checkpoint instead of converting in memory.")] = None,
+    family: Annotated[Optional[str], typer.Option(
+        "--family", help="The embedded default model's family when no checkpoint is given: v1 or v2.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype of both twins: float32, bfloat16, float16.")
                      ] = "float32",
     mode: Annotated[str, typer.Option("--mode", help="propagated: both run end to end (drift budget); isolated: "
                                                      "each torch stage gets the Flax stage's input (local budget).")
                     ] = "propagated",
     batch: Annotated[int, typer.Option("--batch", help="Rows of the random batch.")] = 4,
-    src_len: Annotated[int, typer.Option("--src-len", help="Encoder length of the random batch.")] = 64,
-    tgt_len: Annotated[int, typer.Option("--tgt-len", help="Decoder length (random batch, or generated tgt).")] = 32,
+    src_len: Annotated[Optional[int], typer.Option(
+        "--src-len", help="v1: encoder length of the random batch (default 64).")] = None,
+    tgt_len: Annotated[Optional[int], typer.Option(
+        "--tgt-len", help="v1: decoder length of the random batch, or of a generated tgt (default 32).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(
+        "--seq-len", help="Needle 2: sequence length of the random batch (default 64).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
     inputs: Annotated[Optional[str], typer.Option(
         "--inputs", help="Token ids: .npy (src), .npz (src, tgt) or .json ({\"src\": rows, \"tgt\": rows}).")] = None,
@@ -272,8 +287,8 @@ def parity_command(
     if precision not in ("highest", "default"):
         raise NeedleTwinError(f"--precision {precision!r} is not one of highest, default")
     report = commands.parity(
-        flax_ckpt, torch_ckpt=torch_ckpt, dtype=dtype, mode=mode, batch=batch, src_len=src_len, tgt_len=tgt_len,
-        seed=seed, inputs=inputs, tokenizer=tokenizer, queries=query or (), tools=tools, json_path=json_path,
+        flax_ckpt, torch_ckpt=torch_ckpt, family=family, dtype=dtype, mode=mode, batch=batch, src_len=src_len,
+        tgt_len=tgt_len, seq_len=seq_len, seed=seed, inputs=inputs, tokenizer=tokenizer, queries=query or (), tools=tools, json_path=json_path,
         html_path=html_path, force=force, torch_device=torch_device, jax_platform=jax_platform,
         pin_precision=precision == "highest", grads=grads, generate=generate, suppress_special=suppress_special,
         overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
@@ -349,8 +364,9 @@ def generate_command(
     import time
 
     from convert.errors import GenerationError
-    from convert.generation import generate_from_checkpoint, parse_token_ids
+    from convert.generation import parse_token_ids
     from convert.io import read_checkpoint
+    from parity_tests.v1.runs import generate_from_checkpoint
 
     if (tokens is None) == (query is None):
         raise GenerationError("give exactly one encoder input: --tokens IDS, or --query TEXT with --tokenizer PATH")

@@ -34,8 +34,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from convert.config import FIRST_PLAIN_ID, NEEDLE_V1_PUBLISHED, SPECIAL_IDS, TransformerConfig  # noqa: E402
-from convert.mapping import np_dtype, random_flax_params  # noqa: E402
+from convert.mapping import random_flax_params
+from convert.trees import np_dtype
+from convert.v1.config import FIRST_PLAIN_ID, NEEDLE_V1_PUBLISHED, SPECIAL_IDS, TransformerConfig
 
 SUPPRESS = SPECIAL_IDS  # PAD EOS BOS UNK <tool_call> <tools>: no early stop on random weights
 
@@ -87,10 +88,10 @@ def bench_case(dtype: str, batch: int, args, bandwidth: float) -> list[str]:
     import jax.numpy as jnp
     import torch
 
-    from needle_flax.generate import _decode_full, encode, generate, generate_recompute
-    from needle_flax.model import SimpleAttentionNetwork as FlaxModel
-    from needle_torch.generate import generate as torch_generate
-    from needle_torch.model import SimpleAttentionNetwork as TorchModel
+    from needle_flax.v1.generate import _decode_full, encode, generate, generate_recompute
+    from needle_flax.v1.model import SimpleAttentionNetwork as FlaxModel
+    from needle_torch.v1.generate import generate as torch_generate
+    from needle_torch.v1.model import SimpleAttentionNetwork as TorchModel
 
     cfg = NEEDLE_V1_PUBLISHED.replace(dtype=dtype)
     tree = random_flax_params(cfg, seed=0, dtype=dtype)

@@ -31,8 +31,8 @@ class Clock:
 def main() -> None:
     clock = Clock()
     clock.lap("import jax, flax, torch", lambda: (__import__("jax"), __import__("flax"), __import__("torch")))
-    from convert.config import NEEDLE_V1_PUBLISHED, SPECIAL_IDS
     from convert.mapping import random_flax_params
+    from convert.v1.config import NEEDLE_V1_PUBLISHED, SPECIAL_IDS
     from parity_tests.engine import build_twins, flax_run, generation_section, pinned_precision, torch_run
     from parity_tests.gradients import gradient_parity
     from parity_tests.inputs import random_batch

@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from convert import io, plan
-from convert.config import TransformerConfig
+from convert import io, plan, registry
 from convert.errors import NeedleTwinError
+from convert.fields import FamilyConfig
+from convert.formats.common import load_config_json
 from convert.source import Source
 from convert.tensors import dtype_name
 
@@ -27,7 +28,7 @@ _DIFF_BLOCK = 1 << 22  # elements compared per step; bounds the float64 temporar
 
 
 def _config_arg(config_path: Path | None) -> dict[str, Any] | None:
-    return io.load_config_json(config_path) if config_path is not None else None
+    return load_config_json(config_path) if config_path is not None else None
 
 
 # ----------------------------------------------------------------------------- convert
@@ -109,10 +110,12 @@ def _natural(name: str) -> list[Any]:
 def inspect(path: Path, config_path: Path | None = None) -> dict[str, Any]:
     """Everything a checkpoint says about itself, without converting it (tensor data is not read)."""
     source = io.open_source(path)
-    config, check = None, "ok"
+    config, check, family, groups = None, "ok", None, None
     try:
+        family = io.source_family(source)
         config = io.resolve_config(source, _config_arg(config_path))
-        plan.validate(source, config)
+        groups = family.groups_in(source.tensors, source.layout, config)
+        plan.validate(source, family, config)
     except NeedleTwinError as e:
         check = str(e)
     refs = source.tensors
@@ -123,7 +126,10 @@ def inspect(path: Path, config_path: Path | None = None) -> dict[str, Any]:
         dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
     return {
         "path": str(path), "format": source.format, "layout": source.layout,
+        "family": family.name if family is not None else None,
+        "optional_groups": None if groups is None else {g: g in groups for g in family.groups},
         "config": config.to_dict() if config is not None else None,
+        "unknown_config_keys": sorted(config.extra_keys()) if config is not None else [],
         "stored_config": source.config_dict,
         "config_origin": (str(config_path) if config is not None else None) if config_path is not None
         else (source.config_origin or None),
@@ -183,7 +189,7 @@ def _json_float(x: float | None) -> float | str | None:
 @dataclass
 class _DiffSide:
     source: Source
-    config: TransformerConfig
+    config: FamilyConfig
     view: list[plan.Planned]  # whole Flax tensors present
     partial: dict[str, list[plan.Planned]]  # stacks with layers missing: their present layers
     unknown: list[plan.Planned]  # tensors the config does not know, as stored
@@ -192,7 +198,7 @@ class _DiffSide:
     def open(cls, path: Path, config_path: Path | None) -> _DiffSide:
         source = io.open_source(path)
         config = io.resolve_config(source, _config_arg(config_path))
-        return cls(source, config, *plan.present_flax_view(source, config))
+        return cls(source, config, *plan.present_flax_view(source, registry.family_of(config), config))
 
     def by_name(self, split: set[str]) -> dict[str, plan.Planned]:
         """Every tensor by its compared name: the stacks in `split` layer by layer ("name[i]")."""
@@ -207,8 +213,7 @@ def diff(a: Path, b: Path, config_a: Path | None = None, config_b: Path | None =
     is compared layer by layer ("name[i]") on both, so the layers there are still compared."""
     side_a, side_b = _DiffSide.open(a, config_a), _DiffSide.open(b, config_b)
     result = DiffResult(Path(a), Path(b), side_a.source.format, side_b.source.format)
-    da, db = side_a.config.to_dict(), side_b.config.to_dict()
-    result.config = {k: (da[k], db[k]) for k in da if da[k] != db[k]}
+    result.config = side_a.config.differences(side_b.config)
     split = set(side_a.partial) | set(side_b.partial)
     by_a, by_b = side_a.by_name(split), side_b.by_name(split)
     result.only_a = sorted(set(by_a) - set(by_b), key=_natural)

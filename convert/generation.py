@@ -1,7 +1,7 @@
-"""Framework-free pieces of greedy generation shared by both twins: argument checks and the parity metric.
+"""Framework-free pieces of generation shared by both twins of a family: argument checks, token-id parsing.
 
-Both `needle_torch.generate` and `needle_flax.generate` validate their arguments here, so a
-bad token id or length fails with the same one-line message whichever backend runs.
+Both twins validate their arguments here, so a bad token id or length fails with the same
+one-line message whichever backend runs.
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from convert.config import TransformerConfig
 from convert.errors import GenerationError
 
 
-def check_generate_args(config: TransformerConfig, src, src_mask, max_new_tokens: int, eos_token_id: int,
+def check_generate_args(config, src, src_mask, max_new_tokens: int, eos_token_id: int,
                         pad_token_id: int, suppress_tokens: Iterable[int] | None) -> np.ndarray | None:
     """Validate generation arguments as given (numpy, jax or torch arrays, or nested lists), before a twin converts
     them; returns the suppressed ids as a bool (V,) mask, or None: one shape whatever the set, so a compiled loop
@@ -114,17 +113,6 @@ def _check_src_mask(src_mask, src_shape: tuple[int, ...]) -> None:
                               "make_padding_mask(src) gives")
 
 
-def max_rel_error(actual, reference) -> float:
-    """max |actual - reference| / max |reference|: one number per tensor, scale-free, robust to near-zero entries."""
-    a = np.asarray(actual, dtype=np.float64)
-    r = np.asarray(reference, dtype=np.float64)
-    if a.shape != r.shape:
-        raise GenerationError(f"cannot compare shapes {a.shape} and {r.shape}; both runs must take the same steps")
-    if a.size == 0:
-        return 0.0
-    return float(np.max(np.abs(a - r)) / max(float(np.max(np.abs(r))), np.finfo(np.float64).tiny))
-
-
 # ----------------------------------------------------------------------------- CLI support (`needle-twin generate`)
 
 
@@ -139,49 +127,3 @@ def parse_token_ids(text: str) -> list[int]:
     if not ids:
         raise GenerationError("--tokens is empty; give at least one encoder token id, e.g. --tokens '391 385 418'")
     return ids
-
-
-def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "torch", dtype: str | None = None,
-                             max_new_tokens: int = 64, suppress_tokens: Iterable[int] | None = None,
-                             streamer=None, compile: bool = False) -> list[int]:
-    """Greedy-decode one encoder sequence with a loaded `convert.io.Checkpoint`; ids from the starting EOS on.
-
-    dtype: compute dtype (None = the checkpoint config's; upstream inference uses bfloat16); float32 pins
-    full-precision matmuls in both frameworks. streamer: called with each new token id (int) as it is chosen.
-    compile: torch backend only, run the decoder step under torch.compile (see needle_torch.generate).
-    """
-    from convert.config import DTYPES, EOS_ID
-
-    if backend not in ("torch", "flax"):
-        raise GenerationError(f"--backend {backend!r} is unknown; use torch or flax")
-    if compile and backend != "torch":
-        raise GenerationError("--compile is for the torch backend (the flax loop is always jitted); drop it or "
-                              "use --backend torch")
-    dtype = dtype or checkpoint.config.dtype
-    if dtype not in DTYPES:
-        raise GenerationError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
-    config = checkpoint.config.replace(dtype=dtype)
-    emit = None if streamer is None else (lambda step_tokens: streamer(int(step_tokens[0])))
-    args = dict(max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, suppress_tokens=suppress_tokens,
-                pad_token_id=config.pad_token_id, streamer=emit)
-    if backend == "torch":
-        import torch
-
-        from needle_torch.model import SimpleAttentionNetwork
-
-        if dtype == "float32":
-            torch.set_float32_matmul_precision("highest")
-        model = SimpleAttentionNetwork.from_flax(checkpoint.params, config, dtype=dtype)
-        tokens = model.generate([src_ids], None, **args, compile=compile)  # ids checked before any conversion
-    else:
-        import jax
-        import jax.numpy as jnp
-
-        from needle_flax.generate import generate
-        from needle_flax.model import SimpleAttentionNetwork
-
-        if dtype == "float32":
-            jax.config.update("jax_default_matmul_precision", "highest")
-        params = jax.tree.map(lambda a: jnp.asarray(a, dtype), checkpoint.params)  # upstream casts every param
-        tokens = generate(SimpleAttentionNetwork(config), params, [src_ids], None, **args)  # checked, then int32
-    return [int(t) for t in np.asarray(tokens)[0]]

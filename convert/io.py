@@ -1,19 +1,20 @@
-"""Read and write Needle checkpoints in every supported format: the converter's front door.
+"""Read and write Needle checkpoints of every family in every supported format: the converter's front door.
 
 Formats (detected from content first, the extension only as a fallback):
-  upstream-pickle  {"params", "config"} pickle, read with the allowlist unpickler
+  upstream-pickle  v1's {"params", "config"} or Needle 2's format-v2 pickle, read with the allowlist unpickler
   safetensors      torch layout, one file; metadata holds the config
   hf-dir           directory: config.json + model.safetensors, or shards + model.safetensors.index.json
   flax-msgpack     flax.serialization bytes of {"params", "config"} (or of a bare params tree)
   orbax            Orbax PyTree checkpoint directory (config in config.json inside it)
   torch-pt         torch.save'd state_dict (.pt/.bin), read with torch.load(weights_only=True); read only
 
-Torch, jax and orbax are imported only by the formats that need them.
+The family (Needle v1, Needle 2, ...) comes from the file itself: our metadata, upstream's
+format_version, else its tensor names (convert.registry). Torch, jax and orbax are imported
+only by the formats that need them, when they read or write.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import threading
 from collections.abc import Callable, Mapping
@@ -23,14 +24,25 @@ from typing import Any
 
 import numpy as np
 
-from convert import atomic, plan
-from convert.config import TransformerConfig
-from convert.errors import CheckpointError, ConfigError, ConfigMismatchError, NeedleTwinError, one_line
-from convert.mapping import flatten_tree, unflatten_tree
-from convert.source import FLAX, TORCH, Source, checkpoint_size
-from convert.tensors import TensorRef, is_finite, weight_dtype
+from convert import atomic, plan, registry
+from convert.errors import CheckpointError, ConfigError, ConfigMismatchError, NeedleTwinError
+from convert.family import Family
+from convert.fields import FamilyConfig
+from convert.formats import msgpack_format, orbax_format, safetensors_format, torch_format, upstream_pickle
+from convert.formats.common import (
+    FAMILY_KEY,
+    FORMAT_VERSION,
+    SHA_PLACEHOLDER,
+    config_from_json,
+    config_to_json,
+    load_config_json,
+)
+from convert.mapping import source_from_tree
+from convert.rules import FLAX, TORCH, ParamTable
+from convert.source import Source, checkpoint_size
+from convert.tensors import is_finite, weight_dtype
+from convert.trees import unflatten_tree
 
-FORMAT_VERSION = "1"
 PICKLE, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT = (
     "upstream-pickle", "safetensors", "hf-dir", "flax-msgpack", "orbax", "torch-pt")
 READ_FORMATS = (PICKLE, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT)
@@ -39,21 +51,26 @@ TORCH_FORMATS, FLAX_FORMATS = (SAFETENSORS, HF_DIR), (PICKLE, MSGPACK, ORBAX)
 _EXTENSIONS = {".pkl": PICKLE, ".pickle": PICKLE, ".safetensors": SAFETENSORS, ".msgpack": MSGPACK,
                ".pt": TORCH_PT, ".pth": TORCH_PT, ".bin": TORCH_PT}
 _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding")
-SHA_PLACEHOLDER = "0" * 64  # fixed width, patched in place once the source hash is known
 # Metadata keys the writer owns; caller-supplied values for them are ignored (always recomputed).
 _RESERVED_METADATA = ("format", "format_version", "tool_version", "config", "source_format", "source_sha256",
-                      "dtype_cast")
+                      "dtype_cast", FAMILY_KEY)
 
 
 @dataclass
 class Checkpoint:
-    """A checkpoint in memory: the upstream Flax tree (numpy, dtypes as stored) and its full config."""
+    """A checkpoint in memory: the upstream Flax tree (numpy, dtypes as stored), its full config (whose class says
+    the family) and upstream's other top-level entries (Needle 2: step, run)."""
 
     params: dict[str, Any]
-    config: TransformerConfig
+    config: FamilyConfig
     format: str
     metadata: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def family(self) -> Family:
+        return registry.family_of(self.config)
 
 
 # ----------------------------------------------------------------------------- detection
@@ -108,15 +125,14 @@ def _sniff(head: bytes) -> str | None:
 # ----------------------------------------------------------------------------- reading
 
 
-# format -> (module under convert.formats, reader function); imported on use, so reading a pickle
-# never imports torch, flax or orbax.
+# format -> reader; the readers import torch, jax or orbax only when they run.
 _READERS = {
-    PICKLE: ("upstream_pickle", "read"),
-    SAFETENSORS: ("safetensors_format", "read_file"),
-    HF_DIR: ("safetensors_format", "read_dir"),
-    MSGPACK: ("msgpack_format", "read"),
-    ORBAX: ("orbax_format", "read"),
-    TORCH_PT: ("torch_format", "read"),
+    PICKLE: upstream_pickle.read,
+    SAFETENSORS: safetensors_format.read_file,
+    HF_DIR: safetensors_format.read_dir,
+    MSGPACK: msgpack_format.read,
+    ORBAX: orbax_format.read,
+    TORCH_PT: torch_format.read,
 }
 
 
@@ -126,18 +142,32 @@ def open_source(path: str | Path, fmt: str | None = None) -> Source:
     fmt = fmt or detect_format(path)
     if fmt not in _READERS:
         raise CheckpointError(f"unknown format {fmt!r}; use one of {', '.join(READ_FORMATS)}")
-    module, reader = _READERS[fmt]
-    return getattr(importlib.import_module(f"convert.formats.{module}"), reader)(path)
+    return _READERS[fmt](path)
 
 
-def resolve_config(source: Source, config: TransformerConfig | Mapping[str, Any] | None = None) -> TransformerConfig:
-    """The explicit config, else the one stored in the checkpoint, else a config.json beside it."""
-    stored = _stored_config(source)
+def source_family(source: Source) -> Family:
+    """The checkpoint's family: as its file names it (our metadata, upstream's format_version), else its tensors'."""
+    if source.family is not None:
+        return registry.family_named(source.family)
+    return registry.detect(source.tensors, source.layout, str(source.path))
+
+
+def resolve_config(source: Source, config: FamilyConfig | Mapping[str, Any] | None = None) -> FamilyConfig:
+    """The explicit config, else the one stored in the checkpoint, else a config.json beside it; of the
+    checkpoint's family."""
+    family = source_family(source)
+    stored = _stored_config(source, family)
     if config is None:
         if stored is None:
             raise ConfigError(f"{source.path} carries no config; put its config.json next to it or pass --config")
         return stored
-    given = config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)
+    if isinstance(config, FamilyConfig):
+        if registry.family_of(config) is not family:
+            raise ConfigError(f"the config given is a {registry.family_of(config).title} config but {source.path} "
+                              f"holds a {family.title} checkpoint; give a config of that family")
+        given = config
+    else:
+        given = family.config_from_dict(_without_family(dict(config), family, "--config"))
     if stored is not None and stored != given:
         fields = stored.differences(given)
         diff = "; ".join(f"{k}: stored {a!r}, given {b!r}" for k, (a, b) in fields.items())
@@ -146,43 +176,42 @@ def resolve_config(source: Source, config: TransformerConfig | Mapping[str, Any]
     return given
 
 
-def _stored_config(source: Source) -> TransformerConfig | None:
+def _without_family(d: dict[str, Any], family: Family, origin: str) -> dict[str, Any]:
+    """A config dict without our "family" entry, which must name the checkpoint's family if present."""
+    named = d.pop(FAMILY_KEY, family.name)
+    if named != family.name:
+        raise ConfigError(f"{origin} is a config for family {named!r} but the checkpoint is {family.title}; give the "
+                          "config of this checkpoint")
+    return d
+
+
+def _stored_config(source: Source, family: Family) -> FamilyConfig | None:
     if source.config_dict is not None:
         try:
-            return TransformerConfig.from_dict(source.config_dict)
+            return family.config_from_dict(_without_family(dict(source.config_dict), family, source.config_origin))
         except ConfigError as e:
             raise ConfigError(f"{source.config_origin}: {e}") from None
     sidecar = (source.path if source.path.is_dir() else source.path.parent) / "config.json"
     if source.format in (SAFETENSORS, MSGPACK, ORBAX, TORCH_PT) and sidecar.is_file():
         source.config_dict, source.config_origin = load_config_json(sidecar), str(sidecar)
-        return _stored_config(source)
+        return _stored_config(source, family)
     return None
 
 
-def load_config_json(path: Path) -> dict[str, Any]:
-    """A config.json (or --config file): a JSON object of config fields."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not a readable JSON config ({one_line(e)}); fix the file") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a config must be a JSON object of fields, got {type(data).__name__}")
-    return data
-
-
-def read_checkpoint(path: str | Path, config: TransformerConfig | Mapping[str, Any] | None = None, *,
+def read_checkpoint(path: str | Path, config: FamilyConfig | Mapping[str, Any] | None = None, *,
                     check_finite: bool = True) -> Checkpoint:
-    """Read any supported checkpoint into the upstream Flax tree (numpy, stored dtypes) after strict checks."""
+    """Read any supported checkpoint of any family into the upstream Flax tree (numpy, stored dtypes) after
+    strict checks; `.config` is the family's config, `.extra` upstream's other entries (Needle 2: step, run)."""
     source = open_source(path)
     cfg = resolve_config(source, config)
-    plan.validate(source, cfg)
-    arrays = {p.name: p.array() for p in plan.flax_view(source, cfg)}
+    table = plan.validate(source, registry.family_of(cfg), cfg)
+    arrays = {p.name: p.array() for p in plan.flax_view(source, table)}
     if check_finite:
         bad = [name for name, array in arrays.items() if not is_finite(array)]
         if bad:
             raise plan.non_finite_error(source.path, bad)
     params = unflatten_tree(arrays)
-    return Checkpoint(params, cfg, source.format, _checkpoint_metadata(source), Path(path))
+    return Checkpoint(params, cfg, source.format, _checkpoint_metadata(source), Path(path), upstream_extra(source))
 
 
 # Formats whose stored config dict is upstream's own (only the fields that were set, in their order).
@@ -193,21 +222,30 @@ def _upstream_config(source: Source) -> str | None:
     """Upstream's own config dict as JSON (only the fields that were set), kept for a faithful round trip: the
     source's stored dict in a Flax format, else what our safetensors metadata recorded of it."""
     if source.format in _UPSTREAM_CONFIG_FORMATS and source.config_dict is not None:
-        return json.dumps(source.config_dict)
+        return json.dumps(config_to_json(source.config_dict))
     return source.metadata.get("upstream_config")
+
+
+def upstream_extra(source: Source) -> dict[str, Any]:
+    """Upstream's other top-level entries (Needle 2's step and run): as read, or as our metadata recorded them."""
+    if source.extra:
+        return dict(source.extra)
+    raw = source.metadata.get("upstream_extra")
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{source.path}: the 'upstream_extra' metadata is not JSON; the file is damaged") \
+            from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{source.path}: the 'upstream_extra' metadata is not a JSON object")
+    return value
 
 
 def _checkpoint_metadata(source: Source) -> dict[str, str]:
     upstream = _upstream_config(source)
     return {**source.metadata, **({"upstream_config": upstream} if upstream is not None else {})}
-
-
-def source_from_params(params: Mapping[str, Any], path: str | Path = "<params>") -> Source:
-    """An in-memory Flax tree (numpy, jax or torch leaves) as a Source."""
-    from convert.mapping import _as_numpy
-
-    tensors = {name: TensorRef.of(_as_numpy(leaf)) for name, leaf in flatten_tree(params).items()}
-    return Source(Path(path), "memory", FLAX, tensors)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -232,21 +270,27 @@ def infer_write_format(dst: str | Path, to: str | None = None) -> str:
     return by_suffix
 
 
-def write_checkpoint(params: Mapping[str, Any], config: TransformerConfig | Mapping[str, Any], dst: str | Path, *,
+def write_checkpoint(params: Mapping[str, Any], config: FamilyConfig, dst: str | Path, *,
                      format: str | None = None, force: bool = False, dtype: str | None = None,
                      metadata: Mapping[str, str] | None = None, max_shard_size: int | str | None = None,
-                     check_finite: bool = True, on_bytes: Callable[[int], None] | None = None) -> Path:
+                     check_finite: bool = True, on_bytes: Callable[[int], None] | None = None,
+                     extra: Mapping[str, Any] | None = None) -> Path:
     """Write an in-memory Flax tree in any writable format (atomically; never over dst without force).
 
-    metadata: extra safetensors metadata; keys the writer owns (config, hashes, versions) are recomputed.
+    config: the family's config object (its class picks the family). metadata: extra safetensors metadata; keys
+    the writer owns (config, hashes, versions) are recomputed. extra: upstream's other top-level entries (Needle 2:
+    step, run), written into a format-v2 pickle and kept by every other format.
     """
-    cfg = config if isinstance(config, TransformerConfig) else TransformerConfig.from_dict(config)
-    source = source_from_params(params)
-    return write_source(source, cfg, dst, format=format, force=force, dtype=dtype, metadata=metadata,
+    if not isinstance(config, FamilyConfig):
+        raise ConfigError(f"write_checkpoint needs a family config object (e.g. convert.v2.TransformerConfig), got "
+                          f"{type(config).__name__}")
+    source = source_from_tree(params)
+    source.extra = dict(extra or {})
+    return write_source(source, config, dst, format=format, force=force, dtype=dtype, metadata=metadata,
                         max_shard_size=max_shard_size, check_finite=check_finite, on_bytes=on_bytes)
 
 
-def write_source(source: Source, config: TransformerConfig, dst: str | Path, *, format: str | None = None,
+def write_source(source: Source, config: FamilyConfig, dst: str | Path, *, format: str | None = None,
                  force: bool = False, dtype: str | None = None, metadata: Mapping[str, str] | None = None,
                  max_shard_size: int | str | None = None, check_finite: bool = True,
                  on_bytes: Callable[[int], None] | None = None) -> Path:
@@ -261,11 +305,12 @@ def write_source(source: Source, config: TransformerConfig, dst: str | Path, *, 
                               "give a directory as DST or drop the option")
     cast = weight_dtype(dtype) if dtype is not None else None
     atomic.check_target(dst, force=force, directory=directory)  # fail before reading anything big
-    plan.validate(source, config, cast)
+    family = registry.family_of(config)
+    table = plan.validate(source, family, config, cast)
     meta = _output_metadata(source, config, dtype, metadata, with_hash=fmt in (SAFETENSORS, HF_DIR))
     with atomic.atomic_output(dst, force=force, directory=directory) as tmp:
         try:
-            bad = _write(fmt, source, config, cast, tmp, meta, max_shard_size, check_finite, on_bytes)
+            bad = _write(fmt, source, table, config, cast, tmp, meta, max_shard_size, check_finite, on_bytes)
         except OSError as e:  # disk full, quota, read-only folder...: our temp file goes, DST is untouched
             raise NeedleTwinError(f"converting to {dst} failed: {e.strerror or e} ({e.filename or tmp}); "
                                   "nothing was written") from None
@@ -274,13 +319,17 @@ def write_source(source: Source, config: TransformerConfig, dst: str | Path, *, 
     return dst
 
 
-def _output_metadata(source: Source, config: TransformerConfig, dtype: str | None,
+def _output_metadata(source: Source, config: FamilyConfig, dtype: str | None,
                      extra: Mapping[str, str] | None, with_hash: bool = True) -> dict[str, str]:
     meta = {"format": "needle-twin", "format_version": FORMAT_VERSION, "tool_version": tool_version(),
-            "config": json.dumps(config.to_dict(), sort_keys=True), "source_format": source.format}
+            FAMILY_KEY: config.family, "config": json.dumps(config.to_dict(), sort_keys=True),
+            "source_format": source.format}
     upstream = _upstream_config(source)
     if upstream is not None:
         meta["upstream_config"] = upstream
+    others = upstream_extra(source)  # the source's own; else the caller's metadata may carry them (below)
+    if others:
+        meta["upstream_extra"] = json.dumps(others)
     if dtype is not None:
         meta["dtype_cast"] = dtype
     if with_hash and source.sha256 is not None:
@@ -288,8 +337,8 @@ def _output_metadata(source: Source, config: TransformerConfig, dtype: str | Non
     for key, value in (extra or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise NeedleTwinError(f"metadata must map strings to strings, got {key!r}: {value!r}")
-        if key not in _RESERVED_METADATA:  # e.g. a Checkpoint's old metadata: its config/hash are stale now
-            meta[key] = value
+        if key not in _RESERVED_METADATA and not (key == "upstream_extra" and others):
+            meta[key] = value  # e.g. a Checkpoint's old metadata: its config/hash are recomputed above
     return meta
 
 
@@ -314,29 +363,28 @@ class _SourceHash:
         return self._result
 
 
-def upstream_config_dict(config: TransformerConfig, metadata: Mapping[str, str]) -> dict[str, Any]:
-    """Config dict for an upstream pickle: the source's own dict when it matches, else the non-default fields."""
+def upstream_config_dict(config: FamilyConfig, metadata: Mapping[str, str]) -> dict[str, Any]:
+    """Config dict for an upstream file: the source's own dict when it still describes this config, else the dict
+    upstream's trainer would write for it (FamilyConfig.upstream_dict)."""
     raw = metadata.get("upstream_config")
     if raw is not None:
         try:
-            stored = json.loads(raw)
-            if isinstance(stored, dict) and TransformerConfig.from_dict(stored) == config:
+            stored = config_from_json(json.loads(raw))
+            if isinstance(stored, dict) and registry.family_of(config).config_from_dict(stored) == config:
                 return stored
         except (json.JSONDecodeError, NeedleTwinError):
             pass  # a stale or foreign value: fall back to the canonical dict
-    return config.to_dict(only_non_default=True)
+    return config.upstream_dict()
 
 
-def _write(fmt: str, source: Source, config: TransformerConfig, cast: np.dtype | None, tmp: Path,
-           meta: dict[str, str], max_shard_size: int | str | None, check_finite: bool,
+def _write(fmt: str, source: Source, table: ParamTable, config: FamilyConfig, cast: np.dtype | None,
+           tmp: Path, meta: dict[str, str], max_shard_size: int | str | None, check_finite: bool,
            on_bytes: Callable[[int], None] | None) -> list[str]:
     """Dispatch to the format writer; returns the names of non-finite tensors (the caller aborts on any)."""
     bad: list[str] = []
     check = _FiniteChecker(bad) if check_finite else None
     if fmt in (SAFETENSORS, HF_DIR):
-        from convert.formats import safetensors_format
-
-        view = plan.torch_view(source, config, cast)
+        view = plan.torch_view(source, table, cast)
         # Only safetensors has room for the source hash (a placeholder in meta when there is one to compute).
         sha = _SourceHash(source.sha256).get if "source_sha256" in meta else None
         if fmt == SAFETENSORS:
@@ -344,20 +392,25 @@ def _write(fmt: str, source: Source, config: TransformerConfig, cast: np.dtype |
         else:
             safetensors_format.write_dir(tmp, view, meta, config, max_shard_size, on_bytes, sha, check)
         return bad
-    view = plan.flax_view(source, config, cast)
+    view = plan.flax_view(source, table, cast)
+    family, config_dict = registry.family_of(config), upstream_config_dict(config, meta)
+    others = json.loads(meta["upstream_extra"]) if "upstream_extra" in meta else {}
     if fmt == PICKLE:
-        from convert.formats import upstream_pickle
-
-        upstream_pickle.write(tmp, {p.name: p for p in view}, upstream_config_dict(config, meta), on_bytes, check)
+        upstream_pickle.write(tmp, {p.name: p for p in view}, pickle_layout(family, config_dict, others), on_bytes,
+                              check)
     elif fmt == MSGPACK:
-        from convert.formats import msgpack_format
-
-        msgpack_format.write(tmp, view, upstream_config_dict(config, meta), on_bytes, check)
+        top = {} if family.pickle_version is None else {"format_version": family.pickle_version, **others}
+        msgpack_format.write(tmp, view, config_dict, top, on_bytes, check)
     elif fmt == ORBAX:
-        from convert.formats import orbax_format
-
-        orbax_format.write(tmp, view, upstream_config_dict(config, meta), on_bytes, check)
+        orbax_format.write(tmp, view, config_dict, family.name, others, on_bytes, check)
     return bad
+
+
+def pickle_layout(family: Family, config_dict: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The top-level dict of the family's upstream pickle, in upstream's key order (params: the PARAMS marker)."""
+    values = {"format_version": family.pickle_version, "params": upstream_pickle.PARAMS, "config": dict(config_dict),
+              **extra}
+    return {k: values[k] for k in family.pickle_keys if k in values and values[k] is not None}
 
 
 class _FiniteChecker:
@@ -385,5 +438,5 @@ def tool_version() -> str:
 
 __all__ = [
     "FLAX", "TORCH", "Checkpoint", "Source", "detect_format", "infer_write_format", "open_source",
-    "read_checkpoint", "resolve_config", "source_from_params", "write_checkpoint", "write_source",
+    "read_checkpoint", "resolve_config", "source_family", "write_checkpoint", "write_source",
 ]

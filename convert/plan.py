@@ -1,7 +1,8 @@
-"""Strict checks of an opened checkpoint against its config, and lazy per-tensor views in either layout.
+"""The one mapping engine: strict checks of a checkpoint against its family's rules, and lazy views in either layout.
 
-Every layout change goes through convert.mapping's rule table: a view only renames,
+Every layout change goes through the family's rule table (convert.rules): a view only renames,
 transposes and (un)stacks, so data passes through bit-exact unless a dtype cast is asked for.
+The same views serve in-memory trees (convert.mapping) and files read lazily (convert.io).
 Views describe each output tensor by the source pieces it is made of (a layer of a stacked
 array is read on its own); writers produce the output part by part (convert.sink), so the
 whole checkpoint is never in memory when the source is read lazily.
@@ -17,19 +18,10 @@ from functools import partial
 
 import numpy as np
 
-from convert.config import TransformerConfig
 from convert.errors import CheckpointError
-from convert.mapping import (
-    entry_problems,
-    expected_flax_shapes,
-    expected_torch_shapes,
-    flax_shape,
-    num_layers,
-    rules,
-    torch_names,
-    torch_shape,
-)
-from convert.source import FLAX, TORCH, Source
+from convert.family import Family
+from convert.rules import FLAX, TORCH, ParamTable, entry_problems
+from convert.source import Source
 from convert.tensors import WEIGHT_DTYPES, TensorRef, dtype_name, map_span
 
 EMBEDDING = {FLAX: "embedding/embedding", TORCH: "embedding.weight"}
@@ -151,40 +143,61 @@ class Planned:
 # ----------------------------------------------------------------------------- checks
 
 
-def validate(source: Source, config: TransformerConfig, cast: np.dtype | None = None) -> None:
-    """One CheckpointError listing every missing, unexpected, mis-shaped and wrong-dtype tensor."""
+def table_for(source: Source, family: Family, config) -> ParamTable:
+    """The rules this checkpoint should match: the family's required ones plus the optional groups it holds."""
+    return family.table_for(source.tensors, source.layout, config)
+
+
+def validate(source: Source, family: Family, config, cast: np.dtype | None = None) -> ParamTable:
+    """One CheckpointError listing every missing, unexpected, mis-shaped and wrong-dtype tensor; returns the table."""
+    table = table_for(source, family, config)
     found = {name: ref.shape for name, ref in source.tensors.items()}
-    expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
-    problems = _layer_count_problems(source, config) + entry_problems(found, expected)
-    hint = _config_hint(source, config) if problems else ""  # a dtype problem is not the config's fault
-    problems += _dtype_problems(source.tensors, source.layout, lenient=cast is not None)
+    problems = _layer_count_problems(source, table) + entry_problems(found, table.expected(source.layout))
+    hint = _config_hint(source, family, config) if problems else ""  # a dtype problem is not the config's fault
+    problems += _dtype_problems(source.tensors, _anchor(table, source.layout), lenient=cast is not None)
+    problems += _stack_dtype_problems(source, table, cast)
     if problems:
         raise CheckpointError(f"{source.path} does not match its config: " + "; ".join(problems)
                               + (f". {hint}" if hint else ""))
+    return table
 
 
-def present_flax_view(source: Source, config: TransformerConfig
+def check_names(source: Source, family: Family, config, what: str) -> ParamTable:
+    """Names and shapes only (an in-memory tree or state_dict of any dtypes), plus one dtype per stacked array."""
+    table = table_for(source, family, config)
+    problems = entry_problems({n: r.shape for n, r in source.tensors.items()}, table.expected(source.layout))
+    if problems:
+        raise CheckpointError(f"{what} does not match the config: " + "; ".join(problems)
+                              + ". Is the config the one this checkpoint was trained with?")
+    problems = _stack_dtype_problems(source, table, None)
+    if problems:
+        raise CheckpointError(f"{what}: " + "; ".join(problems))
+    return table
+
+
+def present_flax_view(source: Source, family: Family, config
                       ) -> tuple[list[Planned], dict[str, list[Planned]], list[Planned]]:
     """For comparing checkpoints: (the Flax view of the tensors the file has, the stacked arrays some of whose
     layers are missing (a torch-layout file) as their present layers, the tensors its config does not know as
     stored). Missing tensors are left out (a diff shows them as keys only the other side has); a tensor that
     is there but mis-shaped or not a float still fails."""
-    expected = expected_flax_shapes(config) if source.layout == FLAX else expected_torch_shapes(config)
+    table = family.table(config)  # every optional group: what a file lacks is shown as missing, not refused
+    expected = table.expected(source.layout)
     present = {name: ref for name, ref in source.tensors.items() if name in expected}
     problems = entry_problems({name: ref.shape for name, ref in present.items()},
                               {name: expected[name] for name in present})
-    problems += _dtype_problems(present, source.layout, lenient=True)  # a diff compares any floats
+    problems += _dtype_problems(present, None, lenient=True)  # a diff compares any floats
     if problems:
         raise CheckpointError(f"{source.path} does not match its config: " + "; ".join(problems))
-    view = flax_view(source, config, complete=False)
+    view = flax_view(source, table, complete=False)
     partial: dict[str, list[Planned]] = {}
     if source.layout == TORCH:
         complete = {p.name for p in view}
-        for rule in rules(config):
+        for rule in table.rules:
             if rule.stack is not None and rule.flax not in complete:
-                partial[rule.flax] = [_layer(rule.flax, i, flax_shape(rule, config)[1:], present[name].dtype,
+                partial[rule.flax] = [_layer(rule.flax, i, table.flax_shape(rule)[1:], present[name].dtype,
                                              Piece(present[name]), rule.transpose)
-                                      for i, name in enumerate(torch_names(rule, config)) if name in present]
+                                      for i, name in enumerate(table.torch_names(rule)) if name in present]
     unknown = [Planned(name, ref.shape, ref.dtype, (Piece(ref),)) for name, ref in sorted(source.tensors.items())
                if name not in expected]
     return view, partial, unknown
@@ -204,35 +217,45 @@ def _layer(name: str, i: int, shape: tuple[int, ...], dtype: np.dtype, piece: Pi
     return Planned(f"{name}[{i}]", shape, dtype, (piece,), transpose=transpose)
 
 
-def _layer_count_problems(source: Source, config: TransformerConfig) -> list[str]:
+def _anchor(table: ParamTable, layout: str) -> str:
+    """The tensor whose dtype the others must share: the table's first (the embedding, in every family)."""
+    rule = table.rules[0]
+    return rule.flax if layout == FLAX else table.torch_names(rule)[0]
+
+
+def _layer_count_problems(source: Source, table: ParamTable) -> list[str]:
     """Layer counts seen in the tensors, per stack, when they contradict the config or each other."""
     problems = []
-    for stack in ("encoder", "decoder"):
-        want = num_layers(config, stack)
+    for stack, (what, field) in table.stack_names.items():
+        want = table.dims[stack]
+        stacked = [r for r in table.rules if r.stack == stack]
+        if not stacked:
+            continue
         if source.layout == TORCH:
-            pattern = re.compile(rf"^{stack}\.layers\.(\d+)\.")
-            indices = {int(m.group(1)) for name in source.tensors if (m := pattern.match(name))}
+            patterns = [re.compile("^" + re.escape(r.torch).replace(re.escape("{i}"), r"(\d+)") + "$")
+                        for r in stacked]
+            indices = {int(m.group(1)) for name in source.tensors for p in patterns if (m := p.match(name))}
             if indices and indices != set(range(want)):
-                problems.append(f"{stack} tensors cover layers {_ranges(sorted(indices))} but "
-                                f"config.num_{stack}_layers={want} (layers 0-{want - 1})")
+                problems.append(f"{what} tensors cover layers {_ranges(sorted(indices))} but config.{field}={want} "
+                                f"(layers 0-{want - 1})")
         else:
             counts: dict[int, list[str]] = {}
-            for rule in rules(config):
+            for rule in stacked:
                 ref = source.tensors.get(rule.flax)
-                if rule.stack == stack and ref is not None and len(ref.shape) >= 1:
+                if ref is not None and len(ref.shape) >= 1:
                     counts.setdefault(ref.shape[0], []).append(rule.flax)
             if len(counts) > 1:
-                problems.append(f"{stack} stacked tensors disagree on the layer count: " + ", ".join(
+                problems.append(f"{what} stacked tensors disagree on the layer count: " + ", ".join(
                     f"{n} in {names[0]}" + (f" (+{len(names) - 1} more)" if len(names) > 1 else "")
                     for n, names in sorted(counts.items())))
             elif counts and next(iter(counts)) != want:
-                problems.append(f"{stack} stacked tensors hold {next(iter(counts))} layers (leading axis) but "
-                                f"config.num_{stack}_layers={want}")
+                problems.append(f"{what} stacked tensors hold {next(iter(counts))} layers (leading axis) but "
+                                f"config.{field}={want}")
     return problems
 
 
-def _dtype_problems(tensors: Mapping[str, TensorRef], layout: str, lenient: bool) -> list[str]:
-    """Weights must be float32/bfloat16/float16 and all in the embedding's dtype; lenient (a cast will follow, or
+def _dtype_problems(tensors: Mapping[str, TensorRef], anchor_name: str | None, lenient: bool) -> list[str]:
+    """Weights must be float32/bfloat16/float16 and all in the anchor's dtype; lenient (a cast will follow, or
     a diff compares in float64): any floats, e.g. float64 from JAX with x64, mixed as they come."""
     problems = []
     bad_kind = sorted(n for n, r in tensors.items()
@@ -241,13 +264,26 @@ def _dtype_problems(tensors: Mapping[str, TensorRef], layout: str, lenient: bool
         fixable = not lenient and any(tensors[n].dtype.kind == "f" for n in bad_kind)
         problems.append("wrong dtype: " + _by_dtype(tensors, bad_kind) + f" (weights must be {', '.join(WEIGHT_DTYPES)}"
                         + ("; cast other floats with needle-twin convert --dtype)" if fixable else ")"))
-    anchor = tensors.get(EMBEDDING[layout])
+    anchor = tensors.get(anchor_name) if anchor_name is not None else None
     if not lenient and anchor is not None and dtype_name(anchor.dtype) in WEIGHT_DTYPES:
         mixed = sorted(n for n, r in tensors.items()
                        if r.dtype != anchor.dtype and dtype_name(r.dtype) in WEIGHT_DTYPES)
         if mixed:
             problems.append("mixed dtypes: " + _by_dtype(tensors, mixed) + f" while the embedding is "
                             f"{dtype_name(anchor.dtype)} (cast all with needle-twin convert --dtype)")
+    return problems
+
+
+def _stack_dtype_problems(source: Source, table: ParamTable, cast: np.dtype | None) -> list[str]:
+    """Layers stacked into one Flax array must share a dtype (np.stack would cast them silently), unless cast."""
+    if source.layout != TORCH or cast is not None:
+        return []
+    problems = []
+    for rule in table.rules:
+        dtypes = {source.tensors[n].dtype for n in table.torch_names(rule) if n in source.tensors}
+        if rule.stack is not None and len(dtypes) > 1:
+            problems.append(f"{rule.torch} has mixed dtypes across layers ({', '.join(sorted(map(str, dtypes)))}); "
+                            "cast the state_dict to one dtype first")
     return problems
 
 
@@ -260,9 +296,10 @@ def _by_dtype(tensors: Mapping[str, TensorRef], names: list[str]) -> str:
                      f"{len(group)} tensors are {dt} ({', '.join(group[:2])}, ...)" for dt, group in groups.items())
 
 
-def _config_hint(source: Source, config: TransformerConfig) -> str:
+def _config_hint(source: Source, family: Family, config) -> str:
     """Name the config fields the embedding contradicts, so a wrong config is recognised as such."""
-    ref = source.tensors.get(EMBEDDING[source.layout])
+    table = family.table(config)
+    ref = source.tensors.get(_anchor(table, source.layout))
     if ref is None or len(ref.shape) != 2:
         return "Is the config the one this checkpoint was trained with?"
     vocab, d_model = ref.shape
@@ -270,12 +307,8 @@ def _config_hint(source: Source, config: TransformerConfig) -> str:
              (("vocab_size", vocab, config.vocab_size), ("d_model", d_model, config.d_model)) if got != want]
     if wrong:
         return f"The embedding {_fmt(ref.shape)} says {', '.join(wrong)}; fix the config"
-    has_ffn = any(("FeedForward" in name or ".ffn." in name) for name in source.tensors)
-    if has_ffn and config.no_feedforward:
-        return "The checkpoint has feed-forward weights but config.no_feedforward=True; fix the config"
-    if not has_ffn and not config.no_feedforward:
-        return "The checkpoint has no feed-forward weights but config.no_feedforward=False; fix the config"
-    return "Is the config the one this checkpoint was trained with?"
+    extra = family.hint(set(source.tensors), config) if family.hint is not None else None
+    return extra or "Is the config the one this checkpoint was trained with?"
 
 
 def non_finite_error(path: object, bad: list[str], cast: str | None = None) -> CheckpointError:
@@ -344,11 +377,11 @@ def _out_dtype(source: Source, name: str, cast: np.dtype | None) -> np.dtype:
     return cast if cast is not None else source.tensors[name].dtype
 
 
-def torch_view(source: Source, config: TransformerConfig, cast: np.dtype | None = None) -> list[Planned]:
+def torch_view(source: Source, table: ParamTable, cast: np.dtype | None = None) -> list[Planned]:
     """The checkpoint as torch state_dict tensors (per layer, Linear weights (out, in)), in table order."""
     out = []
-    for rule in rules(config):
-        names = torch_names(rule, config)
+    for rule in table.rules:
+        names = table.torch_names(rule)
         if source.layout == TORCH:
             out += [Planned(name, source.tensors[name].shape, _out_dtype(source, name, cast),
                             (Piece(source.tensors[name]),)) for name in names]
@@ -356,19 +389,19 @@ def torch_view(source: Source, config: TransformerConfig, cast: np.dtype | None 
         ref = source.tensors[rule.flax]
         for i, name in enumerate(names):
             piece = Piece(ref, i if rule.stack else None)  # (L, ...) -> layer i
-            out.append(Planned(name, torch_shape(rule, config), _out_dtype(source, rule.flax, cast), (piece,),
+            out.append(Planned(name, table.torch_shape(rule), _out_dtype(source, rule.flax, cast), (piece,),
                                transpose=rule.transpose))
     return out
 
 
-def flax_view(source: Source, config: TransformerConfig, cast: np.dtype | None = None, complete: bool = True
+def flax_view(source: Source, table: ParamTable, cast: np.dtype | None = None, complete: bool = True
               ) -> list[Planned]:
     """The checkpoint as upstream Flax arrays (stacked layers, Dense kernels (in, out)), in table order.
     With complete=False, arrays whose source tensors are (partly) missing are left out."""
     out = []
-    for rule in rules(config):
-        shape = flax_shape(rule, config)
-        names = [rule.flax] if source.layout == FLAX else torch_names(rule, config)
+    for rule in table.rules:
+        shape = table.flax_shape(rule)
+        names = [rule.flax] if source.layout == FLAX else table.torch_names(rule)
         if not complete and not all(name in source.tensors for name in names):
             continue
         if source.layout == FLAX:

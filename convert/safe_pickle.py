@@ -63,6 +63,32 @@ class _FrozenDict(dict):
         raise CheckpointError("unsupported FrozenDict state in pickle; re-save the params as a plain dict")
 
 
+class UpstreamObject:
+    """Stands in for a pickled upstream config object (a `TransformerConfig` dataclass instance): NEWOBJ makes
+    one without calling anything of upstream's, BUILD hands it the instance's __dict__, kept as `state`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise CheckpointError("pickle calls an upstream config class; only its saved state is loaded")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> UpstreamObject:
+        if cls is UpstreamObject or args or kwargs:  # only NEWOBJ's cls.__new__(cls) on a named stand-in
+            raise CheckpointError("pickle builds an upstream config object with arguments; only its state loads")
+        obj = object.__new__(cls)
+        obj.state = {}
+        return obj
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise CheckpointError(f"a pickled {type(self).__name__} carries state of type {type(state).__name__}; "
+                                  "expected a dict of config fields")
+        self.state = dict(state)
+
+
+def _stand_in(module: str, name: str) -> type:
+    """A fresh UpstreamObject subclass named after the pickled class (for messages; never upstream's code)."""
+    return type(name, (UpstreamObject,), {"__module__": f"needle_twin_stand_in.{module}"})
+
+
 def _check_dtype(dtype: Any) -> np.dtype:
     if not isinstance(dtype, np.dtype):
         raise CheckpointError(f"pickle passes {type(dtype).__name__} where a numpy dtype is expected")
@@ -212,12 +238,18 @@ _ALLOWED: dict[tuple[str, str], Callable[[], Any]] = {
     ("builtins", "frozenset"): lambda: frozenset,
     ("_codecs", "encode"): lambda: _safe_codecs_encode,
 }
+# Upstream's config class may be pickled as an object (any module path: it moved between versions). Pickle
+# protocols >= 2 rebuild a dataclass instance with NEWOBJ (cls.__new__(cls)) and BUILD (its __dict__), so the
+# stand-in needs nothing else: copyreg._reconstructor (protocols 0-1) stays forbidden.
+_CONFIG_CLASSES = ("TransformerConfig",)
 
 
 class SafeUnpickler(pickle.Unpickler):
     """Unpickler that resolves only allowlisted globals and refuses the rest by name."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if name in _CONFIG_CLASSES:
+            return _stand_in(module, name)
         factory = _ALLOWED.get((module, name))
         if factory is None:
             raise CheckpointError(
@@ -315,6 +347,8 @@ def _plain(obj: Any) -> Any:
         return [_plain(v) for v in obj]
     if isinstance(obj, tuple):
         return tuple(_plain(v) for v in obj)
+    if isinstance(obj, UpstreamObject):
+        obj.state = _plain(obj.state)
     return obj
 
 

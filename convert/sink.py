@@ -62,14 +62,55 @@ class Segments:
             self._pending = bytearray()
 
 
+# The writer for a file of a given size (the one seam): "plain" writes part by part through the page cache,
+# "ring" is the O_DIRECT ring below. NEEDLE_TWIN_WRITER=plain|ring forces one (benchmarks/bench_convert.py
+# measures both side by side).
+WRITERS = ("plain", "ring")
+
+
 def write_file(path: Path, segments: Sequence[Segment], *, on_bytes: Callable[[int], None] | None = None,
-               check: Check | None = None, pipeline: bool = True) -> None:
+               check: Check | None = None, pipeline: bool = True, writer: str | None = None) -> None:
     """Create path (it must not exist) with the segments in order; `check` sees every tensor part written."""
     items = _layout(segments)
     total = sum(n for _, n, _ in items)
+    kind = writer or os.environ.get("NEEDLE_TWIN_WRITER") or "ring"
+    if kind not in WRITERS:
+        raise ValueError(f"NEEDLE_TWIN_WRITER={kind!r}; use one of {', '.join(WRITERS)}")
+    if kind == "plain":
+        _write_plain(path, items, total, on_bytes, check)
+        return
     largest = max((n for _, n, _ in items), default=0)
     with SequentialFile(path, total, largest) as out:
         _stream(out, items, on_bytes, check, pipeline)
+
+
+def _write_plain(path: Path, items: list[Item], total: int, on_bytes: Callable[[int], None] | None,
+                 check: Check | None) -> None:
+    """One thread, front to back: each part is made into a reused buffer and written with one write() call."""
+    scratch, buffer = _Scratch(), np.empty(0, np.uint8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _reserve(fd, total)
+        for kind, nbytes, payload in items:
+            if kind == "bytes":
+                _write_all(fd, memoryview(payload))
+            elif kind == "part":
+                name, make = payload
+                if buffer.size < nbytes:
+                    buffer = np.empty(nbytes, np.uint8)
+                part = make(buffer[:nbytes], scratch)
+                if check is not None:
+                    check(name, part)
+                _write_all(fd, memoryview(buffer[:nbytes]))
+            elif on_bytes is not None:
+                on_bytes(payload)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 class SequentialFile:

@@ -13,7 +13,6 @@ from typing import Any
 from convert.errors import CheckpointError
 from convert.tensors import TensorRef
 
-FLAX, TORCH = "flax", "torch"  # layouts: upstream nested-tree paths ("a/b/c") or torch state_dict names
 _HASH_WINDOW = 64 * 2**20  # a multiple of mmap.ALLOCATIONGRANULARITY
 
 
@@ -29,6 +28,8 @@ class Source:
     config_origin: str = ""  # where config_dict came from, for error messages
     metadata: dict[str, str] = field(default_factory=dict)
     sha256: Callable[[], str] | None = None  # hex digest of the source file(s), computed on demand
+    family: str | None = None  # the family the file itself names (our metadata, upstream's format_version)
+    extra: dict[str, Any] = field(default_factory=dict)  # upstream's other top-level entries (v2: step, run)
 
     @property
     def nbytes(self) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from convert.errors import CheckpointError
-from convert.mapping import np_dtype
+from convert.trees import np_dtype
 
 # Weight dtypes a Needle checkpoint may hold (and --dtype may cast to).
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")

@@ -12,8 +12,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from convert.config import TOOLS_ID
 from convert.errors import TokenizerError
+from convert.v1.config import TOOLS_ID
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -1,19 +1,15 @@
-"""needle_flax: the upstream Needle v1 model in Flax."""
+"""needle_flax: upstream's Flax models of every Needle family (`needle_flax.v1`, `needle_flax.v2`).
 
-from convert.config import TransformerConfig
-from needle_flax.generate import generate, generate_recompute
-from needle_flax.model import (
+The top-level names are Needle v1's, as before families existed.
+"""
+
+from needle_flax import v1
+from needle_flax.layers import (
     DTYPE_MAP,
     PROBES,
-    Decoder,
-    DecoderBlock,
-    Encoder,
-    EncoderBlock,
-    FeedForward,
-    MultiHeadAttention,
-    SimpleAttentionNetwork,
     ZCRMSNorm,
     apply_rope,
+    make_attention_mask,
     make_causal_mask,
     make_causal_packing_mask,
     make_cross_packing_mask,
@@ -22,11 +18,22 @@ from needle_flax.model import (
     precompute_rope_freqs,
     repeat_kv,
 )
+from needle_flax.v1 import (
+    Decoder,
+    DecoderBlock,
+    Encoder,
+    EncoderBlock,
+    FeedForward,
+    MultiHeadAttention,
+    SimpleAttentionNetwork,
+    TransformerConfig,
+    generate,
+    generate_recompute,
+)
 
 __all__ = [
     "DTYPE_MAP", "PROBES", "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "FeedForward",
     "MultiHeadAttention", "SimpleAttentionNetwork", "TransformerConfig", "ZCRMSNorm", "apply_rope",
-    "make_causal_mask", "make_causal_packing_mask", "make_cross_packing_mask", "make_packing_mask",
-    "make_padding_mask", "precompute_rope_freqs", "repeat_kv",
-    "generate", "generate_recompute",
+    "generate", "generate_recompute", "make_attention_mask", "make_causal_mask", "make_causal_packing_mask",
+    "make_cross_packing_mask", "make_packing_mask", "make_padding_mask", "precompute_rope_freqs", "repeat_kv", "v1",
 ]

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
-FIXTURE_PKL = DATA / "needle-v1-tiny.pkl"
-FIXTURE_NPZ = DATA / "needle-v1-tiny.npz"
+from convert.io import read_checkpoint
+from parity_tests.devices import DeviceError, jax_device, torch_device
+from parity_tests.fixtures import FIXTURE_NPZ, FIXTURE_PKL
+from parity_tests.inputs import Batch
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,6 @@ DEVICES = {
 
 def _missing(device: Device) -> str | None:
     """Why this machine cannot run `device` (the engine's own device checks), or None when it can."""
-    from parity_tests.engine import DeviceError, jax_device, torch_device
-
     try:
         torch_device(device.torch)
         jax_device(device.jax)
@@ -54,8 +52,6 @@ def device(request) -> Device:
 @pytest.fixture(scope="session")
 def fixture_checkpoint():
     """The upstream-format tiny checkpoint, read through the safe loader."""
-    from convert.io import read_checkpoint
-
     return read_checkpoint(FIXTURE_PKL)
 
 
@@ -68,6 +64,4 @@ def golden():
 
 @pytest.fixture(scope="session")
 def fixture_batch(golden):
-    from parity_tests.inputs import Batch
-
-    return Batch(golden["src"], golden["tgt"], "upstream fixture")
+    return Batch({"src": golden["src"], "tgt": golden["tgt"]}, "upstream fixture")

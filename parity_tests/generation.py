@@ -1,27 +1,22 @@
 """Greedy-generation parity: the torch twin's cached decoding against the Flax twin's, and each against its
-recompute reference, for the parity report's generation section.
+recompute reference, for the parity report's generation section (every family's runs feed it).
 
 Logits are compared only while both twins have fed the same tokens: up to and including the
 first step whose chosen tokens differ (after that the inputs differ and so must the logits).
 Relative errors divide by the reference's largest magnitude (Flax for torch-vs-Flax, the
-recompute loop for cached-vs-recompute), as `convert.generation.max_rel_error` defines.
+recompute loop for cached-vs-recompute), as `parity_tests.metrics.max_rel` defines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from convert.config import EOS_ID
-from convert.generation import max_rel_error
+from parity_tests.metrics import max_rel
 
-
-def _to_numpy(x) -> np.ndarray:
-    if type(x).__module__.startswith("torch"):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
+Run = tuple[np.ndarray, np.ndarray]  # (tokens (B, 1 + steps) int64, logits (B, steps, V) float32)
 
 
 def first_diff_step(a: np.ndarray, b: np.ndarray, pad: int) -> int | None:
@@ -47,52 +42,23 @@ def _compared_steps(tokens_a: np.ndarray, tokens_b: np.ndarray, logits_a: np.nda
 def _cached_vs_recompute(cached, recompute, pad: int) -> tuple[float, bool]:
     (tok_c, log_c), (tok_r, log_r) = cached, recompute
     n = _compared_steps(tok_c, tok_r, log_c, log_r, pad)
-    return max_rel_error(log_c[:, :n], log_r[:, :n]), first_diff_step(tok_c, tok_r, pad) is None
+    return max_rel(log_c[:, :n], log_r[:, :n]), first_diff_step(tok_c, tok_r, pad) is None
 
 
-def generation_parity(flax_model, flax_params, torch_model, src, src_mask, max_new_tokens: int,
+def generation_parity(cached: Mapping[str, Run], recompute: Mapping[str, Run], pad: int, max_new_tokens: int,
                       suppress_tokens: Iterable[int] | None = None) -> dict[str, Any]:
     """Greedy tokens of both twins (cached), where they first differ, per-step logits errors and cached-vs-recompute.
 
-    src: (B, S) ids (numpy, jax or torch); src_mask: bool (B, 1, 1, S) or None. The twins run in
-    their own dtypes (Flax: config.dtype; torch: its parameters'); torch on its device.
-    """
-    import jax.numpy as jnp
-    import torch
-
-    from needle_flax.generate import generate as flax_generate
-    from needle_flax.generate import generate_recompute as flax_recompute
-    from needle_torch.generate import generate as torch_generate
-    from needle_torch.generate import generate_recompute as torch_recompute
-
-    pad = flax_model.config.pad_token_id
-    src_np = _to_numpy(src).astype(np.int64)
-    mask_np = None if src_mask is None else _to_numpy(src_mask).astype(bool)
-    kw = dict(max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, suppress_tokens=suppress_tokens,
-              pad_token_id=pad, return_logits=True)
-
-    def run_flax(fn):
-        mask = None if mask_np is None else jnp.asarray(mask_np)
-        tokens, logits = fn(flax_model, flax_params, jnp.asarray(src_np, jnp.int32), mask, **kw)
-        return np.asarray(tokens).astype(np.int64), np.asarray(logits)
-
-    def run_torch(fn):
-        device = torch_model.device
-        mask = None if mask_np is None else torch.from_numpy(mask_np).to(device)
-        tokens, logits = fn(torch_model, torch.from_numpy(src_np).to(device), mask, **kw)
-        return _to_numpy(tokens).astype(np.int64), _to_numpy(logits)
-
-    flax_cached, torch_cached = run_flax(flax_generate), run_torch(torch_generate)
-    flax_ref, torch_ref = run_flax(flax_recompute), run_torch(torch_recompute)
-
-    (f_tok, f_log), (t_tok, t_log) = flax_cached, torch_cached
+    cached, recompute: {"flax": (tokens (B, 1 + steps), logits (B, steps, V)), "torch": ...} as numpy, each twin
+    in its own dtype and on its own device."""
+    (f_tok, f_log), (t_tok, t_log) = cached["flax"], cached["torch"]
     n = _compared_steps(t_tok, f_tok, t_log, f_log, pad)
     step_abs = [float(np.max(np.abs(t_log[:, k].astype(np.float64) - f_log[:, k]))) for k in range(n)]
-    step_rel = [max_rel_error(t_log[:, k], f_log[:, k]) for k in range(n)]
+    step_rel = [max_rel(t_log[:, k], f_log[:, k]) for k in range(n)]
     rows_equal = int(sum(first_diff_step(f_tok[i : i + 1], t_tok[i : i + 1], pad) is None
                          for i in range(f_tok.shape[0])))
-    flax_cvr, flax_same = _cached_vs_recompute(flax_cached, flax_ref, pad)
-    torch_cvr, torch_same = _cached_vs_recompute(torch_cached, torch_ref, pad)
+    flax_cvr, flax_same = _cached_vs_recompute(cached["flax"], recompute["flax"], pad)
+    torch_cvr, torch_same = _cached_vs_recompute(cached["torch"], recompute["torch"], pad)
     return {
         "first_diff_step": first_diff_step(f_tok, t_tok, pad),
         "max_new_tokens": int(max_new_tokens),

@@ -1,20 +1,19 @@
-"""Parity inputs: seeded random batches with varied right padding, token files, or text through a tokenizer.
+"""Parity inputs every family shares: a batch of named token arrays, seeded padding, token files, id checks.
 
-A batch is an encoder input `src` (B, S) and a decoder input `tgt` (B, T), both int32,
-right-padded with the config's pad id; `tgt` starts with EOS like upstream's decoder buffer.
+Each family's `inputs` module builds its batches from these (Needle v1: an encoder `src` and a
+decoder `tgt`; Needle 2: one `tokens` array), right-padded with the config's pad id.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from convert.config import EOS_ID, FIRST_PLAIN_ID, TransformerConfig
 from convert.errors import NeedleTwinError
 
 
@@ -24,31 +23,33 @@ class InputError(NeedleTwinError, ValueError):
 
 @dataclass(frozen=True)
 class Batch:
-    src: np.ndarray  # (B, S) int32
-    tgt: np.ndarray  # (B, T) int32
-    source: str  # where the tokens came from, for the report
+    """Named (B, T) int32 token arrays (e.g. `batch.src`, `batch.tokens`) and where they came from."""
+
+    arrays: Mapping[str, np.ndarray]
+    source: str  # for the report
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        arrays = self.__dict__.get("arrays", {})
+        if name in arrays:
+            return arrays[name]
+        raise AttributeError(f"this batch has no {name!r} array (it has {', '.join(arrays) or 'none'})")
 
     def describe(self, pad_id: int) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "batch": int(self.src.shape[0]),
-            "src_len": int(self.src.shape[1]),
-            "tgt_len": int(self.tgt.shape[1]),
-            "src_lengths": _lengths(self.src, pad_id),
-            "tgt_lengths": _lengths(self.tgt, pad_id),
-        }
+        out: dict[str, Any] = {"source": self.source, "batch": int(next(iter(self.arrays.values())).shape[0])}
+        for name, a in self.arrays.items():
+            out[f"{name}_len"] = int(a.shape[1])
+        for name, a in self.arrays.items():
+            out[f"{name}_lengths"] = [int(n) for n in (a != pad_id).sum(axis=1)]
+        return out
 
 
-def _lengths(tokens: np.ndarray, pad_id: int) -> list[int]:
-    return [int(n) for n in (tokens != pad_id).sum(axis=1)]
-
-
-def _plain_ids(rng: np.random.Generator, shape: tuple[int, ...], config: TransformerConfig) -> np.ndarray:
+def plain_ids(rng: np.random.Generator, shape: tuple[int, ...], vocab: int, pad_id: int, first_plain: int
+              ) -> np.ndarray:
     """Random ids that are neither special nor padding (tiny vocabularies fall back to any non-pad id)."""
-    low = FIRST_PLAIN_ID if config.vocab_size > FIRST_PLAIN_ID + 1 else 0
-    ids = rng.integers(low, config.vocab_size, size=shape)
-    if config.vocab_size > 1:
-        ids[ids == config.pad_token_id] = (config.pad_token_id + 1) % config.vocab_size
+    low = first_plain if vocab > first_plain + 1 else 0
+    ids = rng.integers(low, vocab, size=shape)
+    if vocab > 1:
+        ids[ids == pad_id] = (pad_id + 1) % vocab
     return ids.astype(np.int32)
 
 
@@ -61,37 +62,20 @@ def varied_lengths(rng: np.random.Generator, batch: int, length: int, empty_rows
     return [length, *rest, *[0] * empty_rows]
 
 
-def _pad_rows(ids: np.ndarray, lengths: Sequence[int], pad_id: int) -> np.ndarray:
+def pad_rows(ids: np.ndarray, lengths: Sequence[int], pad_id: int) -> np.ndarray:
     out = ids.copy()
     for row, n in enumerate(lengths):
         out[row, n:] = pad_id
     return out
 
 
-def random_batch(config: TransformerConfig, batch: int = 4, src_len: int = 64, tgt_len: int = 32, seed: int = 0,
-                 empty_rows: int = 0) -> Batch:
-    """Seeded random tokens with varied right padding; `empty_rows` rows fully padded in src and tgt."""
-    for name, value in (("batch", batch), ("src-len", src_len), ("tgt-len", tgt_len)):
+def check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
         if value < 1:
-            raise InputError(f"--{name} must be >= 1, got {value}")
-    rng = np.random.default_rng(seed)
-    src = _pad_rows(_plain_ids(rng, (batch, src_len), config), varied_lengths(rng, batch, src_len, empty_rows),
-                    config.pad_token_id)
-    return Batch(src, random_tgt(config, batch, tgt_len, rng, empty_rows), f"random (seed {seed})")
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def random_tgt(config: TransformerConfig, batch: int, tgt_len: int, rng: np.random.Generator,
-               empty_rows: int = 0) -> np.ndarray:
-    """Decoder inputs: EOS then random ids, varied right padding."""
-    tgt = _plain_ids(rng, (batch, tgt_len), config)
-    tgt[:, 0] = EOS_ID
-    return _pad_rows(tgt, varied_lengths(rng, batch, tgt_len, empty_rows), config.pad_token_id)
-
-
-# ----------------------------------------------------------------------------- files
-
-
-def _as_token_array(value: Any, what: str, pad_id: int) -> np.ndarray:
+def as_token_array(value: Any, what: str, pad_id: int) -> np.ndarray:
     """A 2-D int array from an array or a list of (possibly ragged) rows, right-padded with pad_id."""
     if isinstance(value, np.ndarray):
         arr = value
@@ -115,73 +99,42 @@ def _as_token_array(value: Any, what: str, pad_id: int) -> np.ndarray:
     return arr
 
 
-def check_tokens(tokens: np.ndarray, config: TransformerConfig, what: str) -> np.ndarray:
+def check_tokens(tokens: np.ndarray, vocab: int, what: str) -> np.ndarray:
     """int32 tokens within the vocabulary, or an error naming the bad id."""
-    bad = (tokens < 0) | (tokens >= config.vocab_size)
+    bad = (tokens < 0) | (tokens >= vocab)
     if bad.any():
         row, col = (int(i) for i in np.argwhere(bad)[0])
         raise InputError(f"{what}[{row}, {col}] = {int(tokens[row, col])} is outside the vocabulary "
-                         f"[0, {config.vocab_size}); use ids of this model's tokenizer")
+                         f"[0, {vocab}); use ids of this model's tokenizer")
     return tokens.astype(np.int32)
 
 
-def load_token_file(path: str | Path, config: TransformerConfig, tgt_len: int = 32, seed: int = 0) -> Batch:
-    """Tokens from .npy (src array), .npz (src, optional tgt) or .json ({"src": rows, "tgt": rows} or rows).
-
-    Without a tgt, decoder inputs are drawn as in `random_batch` (EOS + random ids, seeded).
-    """
+def read_token_file(path: str | Path, main: str, names: Sequence[str]) -> dict[str, Any]:
+    """The token arrays of a .npy (the `main` array), .npz or .json ({name: rows} or rows of `main`) file."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such token file; give a .npy, .npz or .json file of token ids")
     suffix = path.suffix.lower()
-    tgt = None
     try:
         if suffix == ".npy":
-            src = np.load(path, allow_pickle=False)
+            found = {main: np.load(path, allow_pickle=False)}
         elif suffix == ".npz":
             with np.load(path, allow_pickle=False) as z:
-                if "src" not in z.files:
-                    raise InputError(f"{path} has no 'src' array (found {', '.join(z.files) or 'none'})")
-                src, tgt = z["src"], (z["tgt"] if "tgt" in z.files else None)
+                found = {k: z[k] for k in z.files if k in names}
+                if main not in found:
+                    raise InputError(f"{path} has no {main!r} array (found {', '.join(z.files) or 'none'})")
         elif suffix == ".json":
             data = json.loads(path.read_text())
             if isinstance(data, dict):
-                if "src" not in data:
-                    raise InputError(f"{path}: a JSON object needs a 'src' key with token-id rows")
-                src, tgt = data["src"], data.get("tgt")
+                if main not in data:
+                    raise InputError(f"{path}: a JSON object needs a {main!r} key with token-id rows")
+                found = {k: v for k, v in data.items() if k in names}
             else:
-                src = data
+                found = {main: data}
         else:
             raise InputError(f"{path}: unknown token file type {suffix!r}; use .npy, .npz or .json")
     except (ValueError, OSError) as e:
         if isinstance(e, InputError):
             raise
         raise InputError(f"{path}: cannot read token ids ({e}); give a .npy, .npz or .json file") from None
-    src_arr = check_tokens(_as_token_array(src, "src", config.pad_token_id), config, "src")
-    if tgt is None:
-        tgt_arr = random_tgt(config, src_arr.shape[0], tgt_len, np.random.default_rng(seed))
-        source = f"{path} (src; tgt random, seed {seed})"
-    else:
-        tgt_arr = check_tokens(_as_token_array(tgt, "tgt", config.pad_token_id), config, "tgt")
-        source = str(path)
-    if tgt_arr.shape[0] != src_arr.shape[0]:
-        raise InputError(f"{path}: src has {src_arr.shape[0]} rows but tgt has {tgt_arr.shape[0]}; give one tgt "
-                         "row per src row")
-    return Batch(src_arr, tgt_arr, source)
-
-
-# ----------------------------------------------------------------------------- text
-
-
-def text_batch(tokenizer_path: str | Path, queries: Sequence[str], tools: str, config: TransformerConfig,
-               tgt_len: int = 32, seed: int = 0) -> Batch:
-    """Encoder inputs in upstream's format ([query, <tools>, tools]) through a SentencePiece tokenizer."""
-    from convert.tokenizer import build_encoder_input, load_tokenizer
-
-    if not queries:
-        raise InputError("--tokenizer needs at least one --query TEXT")
-    tokenizer = load_tokenizer(tokenizer_path)
-    rows = [list(map(int, build_encoder_input(tokenizer, q, tools))) for q in queries]
-    src = check_tokens(_as_token_array(rows, "tokenized text", config.pad_token_id), config, "tokenized text")
-    tgt = random_tgt(config, src.shape[0], tgt_len, np.random.default_rng(seed))
-    return Batch(src, tgt, f"text via {tokenizer_path} ({len(rows)} queries; tgt random, seed {seed})")
+    return found

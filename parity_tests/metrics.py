@@ -6,6 +6,8 @@ reference. Non-finite inputs give non-finite metrics, which never pass a budget.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -37,6 +39,23 @@ def ref_max_abs(ref) -> float:
     """The reference's largest magnitude: the scale that `max_abs` budgets are relative to."""
     b = np.asarray(ref, dtype=np.float64)
     return float(np.max(np.abs(b))) if b.size else 0.0
+
+
+def max_rel(test, ref) -> float:
+    """max |test - ref| / max |ref|: one number per tensor, scale-free, robust to near-zero entries (the 1e-5 of
+    the README and the fixture tests). Non-finite values give a non-finite result."""
+    a, b = _pair(test, ref)
+    if a.size == 0:
+        return 0.0
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny))
+
+
+def max_rel_of(m) -> float | None:
+    """The same metric from a probe's stored metrics (max_abs, ref_max_abs), as reports and budgets scale it."""
+    mx, ref = m.get("max_abs"), m.get("ref_max_abs")
+    if mx is None or ref is None:
+        return None
+    return mx / ref if ref > 0 else (0.0 if mx == 0 else math.inf)
 
 
 def rel_l2(test, ref) -> float:

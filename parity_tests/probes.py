@@ -1,9 +1,9 @@
 """Named capture points, identical for both twins, and how to read them without editing either model.
 
-One table (`probe_table`) lists every probe in execution order with where it lives in each
-twin: a path into the Flax "intermediates" collection (sown values; scanned layers are
-stacked on axis 0, so a layer index picks the slice) and a torch module whose forward
-hook sees the value. Boundary probes are stage outputs (embeddings, block outputs, final
+Each family's table (`parity_tests.<family>.probes.probe_table`) lists every probe in execution
+order with where it lives in each twin: a path into the Flax "intermediates" collection (sown
+values; scanned layers are stacked on axis 0, so a layer index picks the slice) and a torch
+module whose forward hook sees the value. Boundary probes are stage outputs (embeddings, block outputs, final
 norms): in isolated mode the torch run is fed the Flax value from each boundary onward,
 so every stage's error is its own and not drift from earlier stages.
 """
@@ -17,11 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from convert.config import TransformerConfig
-
-ENC_BLOCK = ("encoder", "layers", "EncoderBlock_0")
-DEC_BLOCK = ("decoder", "layers", "DecoderBlock_0")
-
 
 @dataclass(frozen=True)
 class Probe:
@@ -30,42 +25,7 @@ class Probe:
     torch: str  # torch module whose forward output is the value
     layer: int | None = None  # index into the Flax stacked-layer axis
     boundary: bool = False  # a stage output: isolated mode substitutes the Flax value here
-    pass_: str = "text"  # "text" (encode + decode) or "contrastive" (encode_contrastive)
-
-
-# Per-block probes in execution order, with the name each twin's block sows / taps them under.
-_BLOCK_PROBES = {
-    "encoder": (ENC_BLOCK, ("self_attn", "self_attn_residual")),
-    "decoder": (DEC_BLOCK, ("self_attn", "cross_attn")),
-}
-_SOWN = {"self_attn": "self_attn_out", "cross_attn": "cross_attn_out", "ffn": "ffn_out",
-         "self_attn_residual": "self_attn_residual"}
-
-
-def _block(stack: str, i: int, has_ffn: bool) -> list[Probe]:
-    """The probes of encoder/decoder block i: its sub-layers, then the block output (a stage boundary)."""
-    p = f"{stack}.layers.{i}"
-    flax_block, names = _BLOCK_PROBES[stack]
-    names = (*names, "ffn") if has_ffn else names
-    out = [Probe(f"{p}.{n}", (*flax_block, _SOWN[n]), f"{p}.{n}", i) for n in names]
-    out.append(Probe(f"{p}.out", (*flax_block, "out"), p, i, boundary=True))
-    return out
-
-
-def probe_table(config: TransformerConfig) -> list[Probe]:
-    """Every probe of this config, in execution order."""
-    ffn = not config.no_feedforward
-    table = [Probe("encoder.embed", ("encoder", "embed"), "encoder.embed", boundary=True)]
-    for i in range(config.num_encoder_layers):
-        table += _block("encoder", i, ffn)
-    table.append(Probe("encoder.out", ("encoder", "out"), "encoder.final_norm", boundary=True))
-    table.append(Probe("decoder.embed", ("decoder", "embed"), "decoder.embed", boundary=True))
-    for i in range(config.num_decoder_layers):
-        table += _block("decoder", i, ffn)
-    table.append(Probe("decoder.out", ("decoder", "out"), "decoder.final_norm", boundary=True))
-    table.append(Probe("logits", ("logits",), "logits_tap"))
-    table.append(Probe("contrastive", ("contrastive",), "contrastive_tap", pass_="contrastive"))
-    return table
+    pass_: str = "text"  # which forward pass of the family produces it (v1: "text" or "contrastive")
 
 
 # ----------------------------------------------------------------------------- Flax
@@ -82,10 +42,9 @@ def read_flax(intermediates: Mapping[str, Any], probe: Probe) -> np.ndarray:
     return value if probe.layer is None else value[probe.layer]
 
 
-def flax_probes(table: list[Probe], text: Mapping[str, Any], contrastive: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """{probe name: numpy value} from the intermediates of the text pass and the contrastive pass."""
-    source = {"text": text, "contrastive": contrastive}
-    return {p.name: read_flax(source[p.pass_], p) for p in table}
+def flax_probes(table: list[Probe], passes: Mapping[str, Mapping[str, Any]]) -> dict[str, np.ndarray]:
+    """{probe name: numpy value} from the intermediates of each forward pass ({pass name: collection})."""
+    return {p.name: read_flax(passes[p.pass_], p) for p in table}
 
 
 # ----------------------------------------------------------------------------- torch

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from convert.errors import NeedleTwinError
+from parity_tests.metrics import max_rel_of
 from parity_tests.tolerances import Profile, judge
 
 SCHEMA = "needle-twin/parity-report"
@@ -339,14 +340,6 @@ svg text{font:10px ui-monospace,Menlo,Consolas,monospace;fill:#1d232a}
 """
 
 
-def max_rel(m: Mapping[str, Any]) -> float | None:
-    """max_abs as a fraction of the reference's largest magnitude (what the max budget scales by)."""
-    mx, ref = m.get("max_abs"), m.get("ref_max_abs")
-    if mx is None or ref is None:
-        return None
-    return mx / ref if ref > 0 else (0.0 if mx == 0 else math.inf)
-
-
 def error_plot_svg(report: Report) -> str:
     """Per-probe relative error (rel L2 and max/max|ref|) on a log axis, budgets dashed, first divergence marked."""
     budget = report.profile.budget(report.mode)
@@ -357,7 +350,7 @@ def error_plot_svg(report: Report) -> str:
     height = top + 260 + bottom
     plot_h = 260
     series = {"rel_l2": [p.metrics.get("rel_l2") for p in report.probes],
-              "max_rel": [max_rel(p.metrics) for p in report.probes]}
+              "max_rel": [max_rel_of(p.metrics) for p in report.probes]}
     finite = [v for vals in series.values() for v in vals if v is not None and math.isfinite(v) and v > 0]
     lo = math.floor(math.log10(min([*finite, budget.rel_l2, budget.max_rel]))) - 1
     hi = math.ceil(math.log10(max([*finite, budget.rel_l2, budget.max_rel]))) + 1

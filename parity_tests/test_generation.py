@@ -2,39 +2,37 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from convert.config import SPECIAL_IDS
-from needle_flax.model import SimpleAttentionNetwork as FlaxModel
-from needle_flax.model import make_padding_mask
-from needle_torch.model import SimpleAttentionNetwork as TorchModel
-from parity_tests.engine import pinned_precision
-from parity_tests.generation import first_diff_step, generation_parity
+from convert.v1.config import SPECIAL_IDS
+from parity_tests.devices import pinned_precision
+from parity_tests.generation import first_diff_step
+from parity_tests.inputs import Batch
+from parity_tests.twins import build_twins
+from parity_tests.v1 import ADAPTER
+from parity_tests.v1.runs import generation
 
 SPECIAL = SPECIAL_IDS  # the fixtures' greedy loop never chose ids 0..5
 F32_REL = 1e-5  # float32 twins of one function: ~5e-7 seen on these fixtures
 
 
 @pytest.fixture(scope="module")
-def f32_twins(fixture_checkpoint):
-    ckpt = fixture_checkpoint
+def twins_factory(fixture_checkpoint):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: on shared cores a second thread only waits for the first
-    config = ckpt.config.replace(dtype="float32")
-    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ckpt.params)
     with pinned_precision():  # restored afterwards
-        yield FlaxModel(config), params, lambda: TorchModel.from_flax(ckpt.params, config, dtype=torch.float32)
+        yield lambda: build_twins(ADAPTER, fixture_checkpoint.config, fixture_checkpoint.params, "float32")
     torch.set_num_threads(threads)
 
 
-def test_fixture_generation_section_is_identical_within_float32(f32_twins, golden):
-    flax_model, params, torch_model = f32_twins
-    src = golden["src"]
-    r = generation_parity(flax_model, params, torch_model(), src, np.asarray(make_padding_mask(src)), 11, SPECIAL)
+def _batch(golden):
+    return Batch({"src": golden["src"], "tgt": golden["tgt"]}, "upstream fixture")
+
+
+def test_fixture_generation_section_is_identical_within_float32(twins_factory, golden):
+    r = generation(twins_factory(), _batch(golden), 11, SPECIAL)
     assert r["first_diff_step"] is None and r["tokens_equal"] and r["rows_equal"] == 3
     assert r["torch_tokens"] == r["flax_tokens"] == golden["f32/greedy_tokens"].tolist()
     assert r["steps_compared"] == 11 and len(r["step_logits_max_rel"]) == 11
@@ -43,14 +41,12 @@ def test_fixture_generation_section_is_identical_within_float32(f32_twins, golde
     assert r["cached_equals_recompute_tokens"]
 
 
-def test_a_broken_twin_is_caught_at_the_first_step_it_differs(f32_twins, golden):
-    flax_model, params, torch_model = f32_twins
-    broken = torch_model()
+def test_a_broken_twin_is_caught_at_the_first_step_it_differs(twins_factory, golden):
+    twins = twins_factory()
     chosen = int(golden["f32/greedy_tokens"][0, 1])  # row 0's first greedy pick (388)
     with torch.no_grad():
-        broken.embedding.weight[chosen] *= -1  # its (tied) output logit flips sign: torch cannot pick it first
-    src = golden["src"]
-    r = generation_parity(flax_model, params, broken, src, np.asarray(make_padding_mask(src)), 5, SPECIAL)
+        twins.torch_model.embedding.weight[chosen] *= -1  # its tied output logit flips sign: torch cannot pick it
+    r = generation(twins, _batch(golden), 5, SPECIAL)
     assert r["first_diff_step"] == 0 and not r["tokens_equal"]
     assert r["torch_tokens"][0][1] != chosen and r["flax_tokens"][0][1] == chosen
     assert r["steps_compared"] == 1  # later steps saw different inputs: their logits are not comparable

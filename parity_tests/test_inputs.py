@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from convert.config import EOS_ID, TransformerConfig
-from parity_tests.inputs import InputError, load_token_file, random_batch, varied_lengths
+from convert.v1.config import EOS_ID, TransformerConfig
+from parity_tests.inputs import InputError, varied_lengths
+from parity_tests.v1.inputs import load_token_file, random_batch
 
 CFG = TransformerConfig(vocab_size=100, d_model=32, num_heads=4, num_kv_heads=2)
 

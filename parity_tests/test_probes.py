@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
 
-from convert.config import TransformerConfig
+import needle_flax
+import needle_torch
 from convert.mapping import random_flax_params
+from convert.v1.config import TransformerConfig
+from needle_flax import SimpleAttentionNetwork as FlaxNet
+from needle_torch import SimpleAttentionNetwork as TorchNet
 from parity_tests import probes
-from parity_tests.engine import build_twins, flax_run, pinned_precision, torch_run
-from parity_tests.inputs import random_batch
+from parity_tests.devices import pinned_precision
+from parity_tests.twins import build_twins
+from parity_tests.v1 import ADAPTER
+from parity_tests.v1.inputs import random_batch
+from parity_tests.v1.probes import probe_table
+from parity_tests.v1.runs import flax_probes as flax_run
+from parity_tests.v1.runs import torch_probes as torch_run
 
 ATTN_ONLY = TransformerConfig(vocab_size=128, d_model=32, num_heads=4, num_kv_heads=2, num_encoder_layers=2,
                               num_decoder_layers=1, dtype="float32")
@@ -18,7 +28,7 @@ WITH_FFN = ATTN_ONLY.replace(no_feedforward=False, d_ff=48, num_encoder_layers=1
 
 
 def test_table_names_and_order():
-    names = [p.name for p in probes.probe_table(ATTN_ONLY)]
+    names = [p.name for p in probe_table(ATTN_ONLY)]
     assert names == [
         "encoder.embed",
         "encoder.layers.0.self_attn", "encoder.layers.0.self_attn_residual", "encoder.layers.0.out",
@@ -30,7 +40,7 @@ def test_table_names_and_order():
 
 
 def test_table_with_ffn():
-    names = [p.name for p in probes.probe_table(WITH_FFN)]
+    names = [p.name for p in probe_table(WITH_FFN)]
     assert names[1:5] == ["encoder.layers.0.self_attn", "encoder.layers.0.self_attn_residual",
                           "encoder.layers.0.ffn", "encoder.layers.0.out"]
     assert "decoder.layers.1.ffn" in names
@@ -40,12 +50,7 @@ def test_table_with_ffn():
 
 @pytest.mark.parametrize("cfg", [ATTN_ONLY, WITH_FFN], ids=["attn-only", "ffn"])
 def test_every_probe_exists_in_both_twins(cfg):
-    import jax
-
-    from needle_flax import SimpleAttentionNetwork as FlaxNet
-    from needle_torch import SimpleAttentionNetwork as TorchNet
-
-    table = probes.probe_table(cfg)
+    table = probe_table(cfg)
     assert len({p.name for p in table}) == len(table)
     modules = dict(TorchNet(cfg).named_modules())
     assert [p.torch for p in table if p.torch not in modules] == []
@@ -54,7 +59,7 @@ def test_every_probe_exists_in_both_twins(cfg):
     params = random_flax_params(cfg, 0)
     _, text = model.apply({"params": params}, src, src, mutable=["intermediates"])
     _, contrastive = model.apply({"params": params}, src, method="encode_contrastive", mutable=["intermediates"])
-    values = probes.flax_probes(table, text["intermediates"], contrastive["intermediates"])
+    values = probes.flax_probes(table, {"text": text["intermediates"], "contrastive": contrastive["intermediates"]})
     assert set(values) == {p.name for p in table}
     for p in table:
         if p.layer is not None:  # stacked on axis 0 by nn.scan: one slice per layer
@@ -67,7 +72,7 @@ def test_every_probe_exists_in_both_twins(cfg):
 def test_flax_probes_reproduce_upstream_goldens(fixture_checkpoint, golden, fixture_batch):
     """The probes read the right values: upstream's own per-layer outputs, computed by upstream's code."""
     with pinned_precision():
-        twins = build_twins(fixture_checkpoint.config, fixture_checkpoint.params, "float32")
+        twins = build_twins(ADAPTER, fixture_checkpoint.config, fixture_checkpoint.params, "float32")
         flax = flax_run(twins, fixture_batch)
     cfg = fixture_checkpoint.config
     pairs = [(f"encoder.layers.{i}.out", golden["f32/encoder_layers"][i]) for i in range(cfg.num_encoder_layers)]
@@ -81,22 +86,16 @@ def test_flax_probes_reproduce_upstream_goldens(fixture_checkpoint, golden, fixt
 
 
 def _torch_inputs(batch):
-    from needle_torch import make_causal_mask, make_padding_mask
-
     src, tgt = torch.from_numpy(batch.src).long(), torch.from_numpy(batch.tgt).long()
-    return src, tgt, make_padding_mask(src), make_causal_mask(tgt.shape[1]) & make_padding_mask(tgt)
+    return src, tgt, needle_torch.make_padding_mask(src), needle_torch.make_attention_mask(tgt)
 
 
 def test_capture_changes_no_output():
     """Hooks and sown collections are observers: outputs with and without them are bit-identical."""
-    import jax
-
-    from needle_flax import make_causal_mask, make_padding_mask
-
     with pinned_precision():
-        twins = build_twins(WITH_FFN, random_flax_params(WITH_FFN, 1), "float32")
+        twins = build_twins(ADAPTER, WITH_FFN, random_flax_params(WITH_FFN, 1), "float32")
         batch = random_batch(WITH_FFN, 3, 9, 6, seed=0, empty_rows=1)
-        table = probes.probe_table(twins.config)
+        table = probe_table(twins.config)
 
         src, tgt, src_mask, tgt_mask = _torch_inputs(batch)
         with torch.inference_mode():
@@ -107,8 +106,8 @@ def test_capture_changes_no_output():
         assert torch.equal(captured["logits"], hooked)
 
         model, params = twins.flax_model, twins.flax_params
-        fm = make_padding_mask(batch.src)
-        tm = make_causal_mask(batch.tgt.shape[1]) & make_padding_mask(batch.tgt)
+        fm = needle_flax.make_padding_mask(batch.src)
+        tm = needle_flax.make_attention_mask(batch.tgt)
         plain = jax.jit(lambda p: model.apply({"params": p}, batch.src, batch.tgt, fm, tm, fm))(params)
         sown, _ = jax.jit(lambda p: model.apply({"params": p}, batch.src, batch.tgt, fm, tm, fm,
                                                 mutable=["intermediates"]))(params)
@@ -116,8 +115,8 @@ def test_capture_changes_no_output():
 
 
 def test_hooks_are_removed_even_after_an_error():
-    model = build_twins(ATTN_ONLY, random_flax_params(ATTN_ONLY, 0), "float32").torch_model
-    table = probes.probe_table(ATTN_ONLY)
+    model = build_twins(ADAPTER, ATTN_ONLY, random_flax_params(ATTN_ONLY, 0), "float32").torch_model
+    table = probe_table(ATTN_ONLY)
     with pytest.raises(RuntimeError, match="boom"):
         with probes.torch_capture(model, table):
             assert any(m._forward_hooks for m in model.modules())
@@ -126,7 +125,7 @@ def test_hooks_are_removed_even_after_an_error():
 
 
 def test_missing_module_is_named():
-    model = build_twins(ATTN_ONLY, random_flax_params(ATTN_ONLY, 0), "float32").torch_model
+    model = build_twins(ADAPTER, ATTN_ONLY, random_flax_params(ATTN_ONLY, 0), "float32").torch_model
     bad = [probes.Probe("x", ("x",), "encoder.nope")]
     with pytest.raises(KeyError, match="encoder.nope"):
         with probes.torch_capture(model, bad):
@@ -135,7 +134,7 @@ def test_missing_module_is_named():
 
 def test_substitution_feeds_downstream_modules():
     """A substituted boundary output is what the next stage sees; the captured value is the module's own."""
-    twins = build_twins(ATTN_ONLY, random_flax_params(ATTN_ONLY, 2), "float32")
+    twins = build_twins(ADAPTER, ATTN_ONLY, random_flax_params(ATTN_ONLY, 2), "float32")
     batch = random_batch(ATTN_ONLY, 2, 7, 5, seed=1)
     own = torch_run(twins, batch)
     fake = {name: np.zeros_like(v) for name, v in own.items()}

@@ -25,13 +25,19 @@ from parity_tests.report import (
     to_json,
 )
 from parity_tests.tolerances import get_profile, with_overrides
+from parity_tests.v1.tolerances import BUDGETS
 
 NUMBER = (int, float)
 
 
+def run(*args, **kw):
+    """The engine with gradients and generation off unless a test asks (each compiles for seconds)."""
+    return run_parity(*args, **{"grads": False, "generate": 0, **kw})
+
+
 @pytest.fixture(scope="module")
 def passing(fixture_checkpoint, fixture_batch) -> Report:
-    return run_parity(fixture_checkpoint.config, fixture_checkpoint.params, fixture_batch, grads=True, generate=3,
+    return run(fixture_checkpoint.config, fixture_checkpoint.params, fixture_batch, grads=True, generate=3,
                       model_info={"flax_checkpoint": "tests/data/needle-v1-tiny.pkl"}, seeds={"inputs": 0})
 
 
@@ -41,7 +47,7 @@ def failing(fixture_checkpoint, fixture_batch) -> Report:
     bad = copy.deepcopy(fixture_checkpoint.params)
     q = bad["decoder"]["layers"]["DecoderBlock_0"]["self_attn"]["q_proj"]["kernel"]  # (L, D, D) Flax (in, out)
     q[1, :, [0, 1]] = q[1, :, [1, 0]]
-    return run_parity(fixture_checkpoint.config, fixture_checkpoint.params, fixture_batch, torch_params=bad,
+    return run(fixture_checkpoint.config, fixture_checkpoint.params, fixture_batch, torch_params=bad,
                       mode="isolated")
 
 
@@ -143,7 +149,7 @@ def test_rescore_gradients(passing):
     tight = rescore(passing, with_overrides(passing.profile, grad_rtol=0.0))
     assert not tight.passed and tight.first_divergence is None
     assert tight.gradients.first_failure == next(p.name for p in tight.gradients.params if not p.passed)
-    bf16 = dataclasses.replace(get_profile("bfloat16"), dtype="float32")  # per-parameter: not judged
+    bf16 = dataclasses.replace(get_profile(BUDGETS, "bfloat16"), dtype="float32")  # per-parameter: not judged
     assert all(p.passed is None for p in rescore(passing, bf16).gradients.params)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity_tests.conftest import DATA, FIXTURE_NPZ, FIXTURE_PKL, fixture_checkpoint, golden  # noqa: F401
+from parity_tests.conftest import fixture_checkpoint, golden  # noqa: F401
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -14,7 +14,7 @@ def _pin_precision():
         import jax  # noqa: F401
         import torch  # noqa: F401
 
-        from parity_tests.engine import pinned_precision
+        from parity_tests.devices import pinned_precision
     except ImportError:  # a framework-free run (e.g. jax hidden for test_safe_pickle): no matmul to pin
         yield
         return

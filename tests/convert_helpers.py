@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 from typer.testing import CliRunner
 
-from convert.config import TransformerConfig
-from convert.mapping import flatten_tree, random_flax_params
+from convert.mapping import random_flax_params
+from convert.trees import flatten_tree
+from convert.v1.config import TransformerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = TransformerConfig(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, num_encoder_layers=1,

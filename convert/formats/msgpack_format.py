@@ -3,8 +3,9 @@
 The encoding (flax/serialization.py): a msgpack tree whose array leaves are ext type 1
 holding msgpack (shape, dtype name, C-order bytes); numpy scalars are ext type 3; arrays
 over 2**30 bytes become {"__msgpack_chunked_array__": True, "shape": {...}, "chunks": {...}}.
-We write {"params": tree, "config": dict} (the upstream pickle's layout), each array's bytes
-filled in place; we read that, a TrainState-like {"params": ..., ...}, or a bare params tree.
+We write the upstream pickle's layout ({"params": tree, "config": dict}, and for Needle 2 also
+its format_version, step and run), each array's bytes filled in place; we read that, a
+TrainState-like {"params": ..., ...}, or a bare params tree.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from convert import sink
+from convert import registry, sink
 from convert.errors import CheckpointError, one_line
-from convert.formats.upstream_pickle import plain_config
-from convert.mapping import flatten_tree, np_dtype, unflatten_tree
+from convert.formats.common import config_from_json, config_to_json, plain_config, plain_value
 from convert.plan import Planned
-from convert.source import FLAX, Source, checkpoint_size, file_sha256
+from convert.rules import FLAX
+from convert.source import Source, checkpoint_size, file_sha256
 from convert.tensors import TensorRef, dtype_name
+from convert.trees import flatten_tree, np_dtype, unflatten_tree
 
 FORMAT = "flax-msgpack"
 EXT_NDARRAY, EXT_COMPLEX, EXT_NPSCALAR = 1, 2, 3
@@ -102,7 +104,7 @@ def read(path: Path) -> Source:
     if trailing:
         raise CheckpointError(f"{path}: trailing data after the msgpack tree; the file is corrupt")
     try:
-        params, config = _split(_unchunk(tree), path)
+        params, config, top = split(_unchunk(tree), path)
         leaves = flatten_tree(params)
     except RecursionError:
         raise CheckpointError(f"{path}: the msgpack tree is nested too deeply to be a checkpoint") from None
@@ -113,11 +115,16 @@ def read(path: Path) -> Source:
         if not isinstance(leaf, np.ndarray):
             raise CheckpointError(f"{path}: params/{name} is a {type(leaf).__name__}, expected an array")
         tensors[name] = TensorRef.of(leaf)
-    return Source(path, FORMAT, FLAX, tensors, config, f"{path} ('config')", {}, lambda: file_sha256(path))
+    family, extra = _family_and_extra(top, path)
+    return Source(path, FORMAT, FLAX, tensors, config, f"{path} ('config')", {}, lambda: file_sha256(path),
+                  family, extra)
 
 
-def _split(tree: Any, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(params, config) from {"params", "config", ...} (extra TrainState fields ignored) or a bare params tree."""
+def split(tree: Any, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """(params, config, our other top-level entries) from {"params", "config", ...} or a bare params tree.
+
+    A TrainState's other fields are ignored; format_version, step and run are kept when a format_version says the
+    file has upstream's layout."""
     if not isinstance(tree, dict):
         raise CheckpointError(f"{path}: the msgpack holds a {type(tree).__name__}, expected a dict of params")
     if "params" in tree:
@@ -126,8 +133,20 @@ def _split(tree: Any, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None
             params = params["params"]  # flax variables {"params": ...} stored as the params field
         if not isinstance(params, dict):
             raise CheckpointError(f"{path}: 'params' is a {type(params).__name__}, expected a nested dict of arrays")
-        return params, (plain_config(config, path) if config is not None else None)
-    return tree, None
+        top = {k: v for k, v in tree.items() if k not in ("params", "config")} if "format_version" in tree else {}
+        return params, (config_from_json(plain_config(config, path)) if config is not None else None), top
+    return tree, None, {}
+
+
+def _family_and_extra(top: dict[str, Any], path: Path) -> tuple[str | None, dict[str, Any]]:
+    """The family a stored format_version names, and the other upstream entries (step, run)."""
+    if not top:
+        return None, {}
+    version = plain_value(top.pop("format_version"), f"{path}: format_version")
+    family = next((f.name for f in registry.FAMILIES.values() if f.pickle_version == version), None)
+    if family is None:
+        raise CheckpointError(f"{path}: format_version {version!r} is not one needle-twin reads")
+    return family, {k: plain_value(v, f"{path}: {k}") for k, v in top.items()}
 
 
 # ----------------------------------------------------------------------------- writing
@@ -184,16 +203,21 @@ def _value(f: sink.Segments, v: Any) -> None:
         f.write(msgpack.packb(v, use_bin_type=True))
 
 
-def write(path: Path, view: Iterable[Planned], config_dict: Mapping[str, Any],
+def write(path: Path, view: Iterable[Planned], config_dict: Mapping[str, Any], top: Mapping[str, Any] | None = None,
           on_bytes: Callable[[int], None] | None = None,
           check: Callable[[str, np.ndarray], None] | None = None) -> None:
-    """{"params": tree, "config": config_dict} as flax msgpack, each array filled in place."""
+    """{"params": tree, "config": config_dict, **top} as flax msgpack, each array filled in place.
+
+    top: upstream's other entries (Needle 2: format_version, step, run), written after the config."""
     import msgpack
 
+    top = dict(top or {})
     f = sink.Segments()
-    f.write(msgpack.Packer().pack_map_header(2))
+    f.write(msgpack.Packer().pack_map_header(2 + len(top)))
     f.write(msgpack.packb("params", use_bin_type=True))
     _value(f, unflatten_tree({p.name: p for p in view}))
     f.write(msgpack.packb("config", use_bin_type=True))
-    f.write(msgpack.packb(dict(config_dict), use_bin_type=True))
+    f.write(msgpack.packb(config_to_json(config_dict), use_bin_type=True))
+    for key, value in top.items():
+        f.write(msgpack.packb(key, use_bin_type=True) + msgpack.packb(value, use_bin_type=True))
     sink.write_file(path, f.done(), on_bytes=on_bytes, check=check)

@@ -2,7 +2,8 @@
 
 We write {"params": tree} with Orbax's synchronous PyTreeCheckpointer and put the config in
 config.json inside the directory (Orbax ignores files it does not know): upstream's own dict, the
-fields that were set (as an upstream pickle stores it), so pickle -> Orbax -> pickle keeps it exactly. We read a PyTree
+fields that were set (as an upstream pickle stores it), so pickle -> Orbax -> pickle keeps it exactly;
+upstream.json beside it holds the family and upstream's other entries (Needle 2: step, run). We read a PyTree
 directory, or a CheckpointManager step directory holding one item, and take the params
 from {"params": ...} (a TrainState's other fields are ignored) or from a bare params tree.
 """
@@ -20,12 +21,15 @@ from typing import Any
 import numpy as np
 
 from convert.errors import CheckpointError, one_line
-from convert.mapping import flatten_tree, unflatten_tree
-from convert.source import FLAX, Source, file_sha256
+from convert.formats.common import FAMILY_KEY, config_to_json, load_config_json, load_json_object, plain_value
+from convert.formats.msgpack_format import split
+from convert.rules import FLAX
+from convert.source import Source, file_sha256
 from convert.tensors import TensorRef
+from convert.trees import flatten_tree, unflatten_tree
 
 FORMAT = "orbax"
-CONFIG_NAME = "config.json"
+CONFIG_NAME, UPSTREAM_NAME = "config.json", "upstream.json"
 
 
 def _ignore_closed_loop_callbacks() -> None:
@@ -97,9 +101,7 @@ def read(path: Path) -> Source:
     except Exception as e:  # orbax/tensorstore raise many types for damaged files
         raise CheckpointError(f"{path}: cannot restore the Orbax checkpoint ({type(e).__name__}: "
                               f"{one_line(e)}); is it complete and undamaged?") from None
-    from convert.formats.msgpack_format import _split
-
-    params, config = _split(_to_plain(tree), path)
+    params, config, _ = split(_to_plain(tree), path)
     tensors = {}
     for name, leaf in flatten_tree(params).items():
         if not isinstance(leaf, (np.ndarray, np.generic)):
@@ -108,10 +110,13 @@ def read(path: Path) -> Source:
     config_path = path / CONFIG_NAME
     origin = f"{path} ('config')"
     if config is None and config_path.is_file():
-        from convert.io import load_config_json
-
         config, origin = load_config_json(config_path), str(config_path)
-    return Source(path, FORMAT, FLAX, tensors, config, origin, {}, lambda: file_sha256(path))
+    family, extra = None, {}
+    if (path / UPSTREAM_NAME).is_file():
+        upstream = load_json_object(path / UPSTREAM_NAME, "upstream.json")
+        family = upstream.pop(FAMILY_KEY, None)
+        extra = {k: plain_value(v, f"{path / UPSTREAM_NAME}: {k}") for k, v in upstream.items()}
+    return Source(path, FORMAT, FLAX, tensors, config, origin, {}, lambda: file_sha256(path), family, extra)
 
 
 def _to_plain(node: Any) -> Any:
@@ -120,10 +125,11 @@ def _to_plain(node: Any) -> Any:
     return node
 
 
-def write(path: Path, view: Iterable, config_dict: Mapping[str, Any],
-          on_bytes: Callable[[int], None] | None = None,
+def write(path: Path, view: Iterable, config_dict: Mapping[str, Any], family: str,
+          extra: Mapping[str, Any] | None = None, on_bytes: Callable[[int], None] | None = None,
           check: Callable[[str, np.ndarray], None] | None = None) -> None:
-    """{"params": tree} as an Orbax PyTree checkpoint plus config.json; Orbax needs the tree in memory."""
+    """{"params": tree} as an Orbax PyTree checkpoint plus config.json and upstream.json; Orbax needs the tree in
+    memory."""
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
@@ -138,4 +144,6 @@ def write(path: Path, view: Iterable, config_dict: Mapping[str, Any],
             on_bytes(p.nbytes)
     with _quiet():
         ocp.PyTreeCheckpointer().save(path.resolve(), {"params": unflatten_tree(flat)})
-    (path / CONFIG_NAME).write_text(json.dumps(dict(config_dict), indent=2) + "\n", encoding="utf-8")
+    (path / CONFIG_NAME).write_text(json.dumps(config_to_json(config_dict), indent=2) + "\n", encoding="utf-8")
+    upstream = {FAMILY_KEY: family, **(extra or {})}
+    (path / UPSTREAM_NAME).write_text(json.dumps(upstream, indent=2) + "\n", encoding="utf-8")

@@ -19,12 +19,19 @@ from typing import Any
 
 import numpy as np
 
-from convert import sink
-from convert.config import TransformerConfig
+from convert import registry, sink
 from convert.errors import CheckpointError, NeedleTwinError, one_line
-from convert.mapping import np_dtype
-from convert.source import TORCH, Source, checkpoint_size, file_sha256
+from convert.formats.common import (
+    FAMILY_KEY,
+    FORMAT_VERSION,
+    SHA_PLACEHOLDER,
+    load_config_json,
+    load_json_object,
+)
+from convert.rules import TORCH
+from convert.source import Source, checkpoint_size, file_sha256
 from convert.tensors import TensorRef, dtype_name
+from convert.trees import np_dtype
 
 FORMAT, DIR_FORMAT = "safetensors", "hf-dir"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors reference implementation's limit
@@ -128,8 +135,6 @@ def _stored_config(path: Path, metadata: Mapping[str, str]) -> dict[str, Any] | 
 
 
 def _check_version(path: Path, metadata: Mapping[str, str]) -> None:
-    from convert.io import FORMAT_VERSION
-
     if metadata.get("format") == "needle-twin" and metadata.get("format_version", "1") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: written with needle-twin format version {metadata['format_version']}; "
                               f"this tool reads version {FORMAT_VERSION}, upgrade needle-twin")
@@ -138,7 +143,7 @@ def _check_version(path: Path, metadata: Mapping[str, str]) -> None:
 def read_file(path: Path) -> Source:
     tensors, metadata, _ = read_header(path)
     return Source(path, FORMAT, TORCH, tensors, _stored_config(path, metadata), f"{path} (metadata 'config')",
-                  dict(metadata), lambda: file_sha256(path))
+                  dict(metadata), lambda: file_sha256(path), metadata.get(FAMILY_KEY))
 
 
 def read_dir(path: Path) -> Source:
@@ -165,32 +170,33 @@ def read_dir(path: Path) -> Source:
                                                                 absent and f"missing: {', '.join(absent)}"])))
         tensors.update(shard_tensors)
     config, origin = _stored_config(path / files[0], metadata), f"{path / files[0]} (metadata 'config')"
+    family = metadata.get(FAMILY_KEY)
     config_path = path / CONFIG_NAME
     if config_path.is_file():
-        from convert.io import load_config_json
-
         on_disk = load_config_json(config_path)
-        problem = _contradiction(on_disk, config) if config is not None else None
+        family = family or on_disk.get(FAMILY_KEY)
+        on_disk.pop(FAMILY_KEY, None)
+        problem = _contradiction(on_disk, config, family, tensors, path) if config is not None else None
         if problem:
             raise CheckpointError(f"{config_path} contradicts the config recorded in {files[0]} ({problem}); "
                                   "restore the original config.json")
         config, origin = on_disk, str(config_path)
-    return Source(path, DIR_FORMAT, TORCH, tensors, config, origin, metadata, lambda: file_sha256(path))
+    return Source(path, DIR_FORMAT, TORCH, tensors, config, origin, metadata, lambda: file_sha256(path), family)
 
 
-def _contradiction(on_disk: Mapping[str, Any], recorded: Mapping[str, Any]) -> str | None:
+def _contradiction(on_disk: Mapping[str, Any], recorded: Mapping[str, Any], family: str | None,
+                   tensors: Mapping[str, TensorRef], path: Path) -> str | None:
     """Why config.json contradicts the recorded config (its own error, or the fields that differ), or None."""
     try:
-        mine, theirs = TransformerConfig.from_dict(on_disk), TransformerConfig.from_dict(recorded)
+        kind = registry.family_named(family) if family else registry.detect(tensors, TORCH, str(path))
+        mine, theirs = kind.config_from_dict(on_disk), kind.config_from_dict(recorded)
     except NeedleTwinError as e:
         return None if dict(on_disk) == dict(recorded) else str(e)
     return "; ".join(f"{k}: {a!r} there, {b!r} recorded" for k, (a, b) in mine.differences(theirs).items()) or None
 
 
 def _read_index(index_path: Path) -> dict[str, str]:
-    from convert.io import load_config_json  # same JSON-object reading and errors
-
-    index = load_config_json(index_path)
+    index = load_json_object(index_path, "index")
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_path}: no 'weight_map' object; the index is damaged")
@@ -249,8 +255,6 @@ def write_file(path: Path, view: Iterable, metadata: Mapping[str, str],
 def _patch_sha(path: Path, raw: bytes, metadata: Mapping[str, str],
                source_sha256: Callable[[], str | None] | None) -> None:
     """The header went out with a fixed-width placeholder hash; overwrite it now the hash is known."""
-    from convert.io import SHA_PLACEHOLDER
-
     if metadata.get("source_sha256") != SHA_PLACEHOLDER:
         return
     digest = source_sha256() if source_sha256 is not None else None
@@ -276,13 +280,14 @@ def shard(view: list, max_bytes: int) -> list[list]:
     return shards
 
 
-def write_dir(path: Path, view: list, metadata: Mapping[str, str], config: TransformerConfig,
+def write_dir(path: Path, view: list, metadata: Mapping[str, str], config,
               max_shard_size: int | str | None, on_bytes: Callable[[int], None] | None = None,
               source_sha256: Callable[[], str | None] | None = None,
               check: Callable[[str, np.ndarray], None] | None = None) -> None:
     """HF-style directory: config.json and model.safetensors, or shards + model.safetensors.index.json."""
     path.mkdir()
-    (path / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    on_disk = {FAMILY_KEY: config.family, **config.to_dict()}  # our whole config: tuples may become lists here
+    (path / CONFIG_NAME).write_text(json.dumps(on_disk, indent=2) + "\n", encoding="utf-8")
     shards = shard(list(view), parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE))
     cached = source_sha256 or (lambda: None)  # idempotent: the hash is computed once upstream
     if len(shards) == 1:

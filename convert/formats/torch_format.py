@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from convert.errors import CheckpointError, one_line
-from convert.formats.upstream_pickle import plain_config
+from convert.formats.common import plain_config
+from convert.rules import TORCH
 from convert.safe_pickle import BoundedReader
-from convert.source import TORCH, Source, checkpoint_size, file_sha256
+from convert.source import Source, checkpoint_size, file_sha256
 from convert.tensors import TensorRef
+from convert.trees import as_numpy
 
 FORMAT = "torch-pt"
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default container since torch 1.6
@@ -42,13 +44,11 @@ def read(path: Path) -> Source:
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, OSError, EOFError... for bad files
         raise _load_error(path, e) from None
     state, config = _split(obj, path)
-    from convert.mapping import _torch_to_numpy
-
     tensors = {}
     for name, value in state.items():
         if not isinstance(name, str) or not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: entry {name!r} is a {type(value).__name__}, expected a tensor")
-        tensors[name] = TensorRef.of(_torch_to_numpy(value))
+        tensors[name] = TensorRef.of(as_numpy(value))
     return Source(path, FORMAT, TORCH, tensors, config, f"{path} ('config')", {}, lambda: file_sha256(path))
 
 

@@ -1,10 +1,13 @@
-"""Upstream Needle pickles: {"params": nested dict of numpy arrays, "config": dict of explicitly set fields}.
+"""Upstream Needle pickles, read and written: v1's {"params", "config"} and Needle 2's format-v2 dict.
 
-Reading goes through the allowlist unpickler (convert.safe_pickle), with arrays mapped from
-the file. Writing emits the pickle opcodes ourselves, so each array's bytes go straight from
-its source into its place in the file instead of being assembled in memory; the stream is
-what `pickle.dump` would produce for the same dict of numpy arrays (same globals, same
-ndarray state, no memo and no frames), loadable by plain `pickle.load`.
+Needle 2's file is {"format_version": 2, "params", "config", "step", "run"} (NEEDLE_V2.md §7.1);
+its config may be a dict or a pickled upstream `TransformerConfig` object, which the
+allowlist unpickler rebuilds from its state as a plain dict without importing upstream.
+Reading goes through that unpickler (convert.safe_pickle), with arrays mapped from the file.
+Writing emits the pickle opcodes ourselves, so each array's bytes go straight from its source
+into its place in the file instead of being assembled in memory; the stream is what
+`pickle.dump` would produce for the same dict of numpy arrays (same globals, same ndarray
+state, no memo and no frames), loadable by plain `pickle.load` and so by upstream's loader.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from convert import safe_pickle, sink
+from convert import registry, safe_pickle, sink
 from convert.errors import CheckpointError
-from convert.mapping import flatten_tree, unflatten_tree
+from convert.formats.common import plain_config, plain_value
 from convert.plan import Planned
-from convert.source import FLAX, Source, file_sha256
+from convert.rules import FLAX
+from convert.source import Source, file_sha256
 from convert.tensors import TensorRef
+from convert.trees import flatten_tree, unflatten_tree
 
 FORMAT = "upstream-pickle"
+VERSION_KEY = "format_version"
 
 
 def read(path: Path) -> Source:
@@ -31,16 +37,26 @@ def read(path: Path) -> Source:
     if not isinstance(obj, dict) or "params" not in obj:
         keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
         raise CheckpointError(f"{path}: an upstream checkpoint is a dict with 'params' and 'config', got {keys}")
-    extra = sorted(set(map(str, obj)) - {"params", "config"})
+    version = obj.get(VERSION_KEY)
+    family = next((f for f in registry.FAMILIES.values() if f.pickle_version == version), None)
+    if family is None:
+        known = ", ".join(f"{f.title}: {f.pickle_version}" for f in registry.FAMILIES.values())
+        raise CheckpointError(f"{path}: format_version {version!r} is not one needle-twin reads ({known}); "
+                              "is it a Needle checkpoint?")
+    extra = sorted(set(map(str, obj)) - set(family.pickle_keys))
     if extra:
-        raise CheckpointError(f"{path}: unexpected top-level key(s) {', '.join(extra)}; "
-                              "an upstream checkpoint holds only 'params' and 'config'")
+        raise CheckpointError(f"{path}: unexpected top-level key(s) {', '.join(extra)}; an upstream "
+                              f"{family.title} checkpoint holds only {', '.join(family.pickle_keys)}")
     params, config = obj["params"], obj.get("config")
     if not isinstance(params, dict):
         raise CheckpointError(f"{path}: 'params' is a {type(params).__name__}, expected a nested dict of arrays")
+    if isinstance(config, safe_pickle.UpstreamObject):
+        config = config.state  # a pickled TransformerConfig: its __dict__, as upstream's __init__ left it
     tensors = {name: _leaf_ref(name, leaf, path) for name, leaf in flatten_tree(params).items()}
+    others = {k: plain_value(v, f"{path}: {k}") for k, v in obj.items() if k not in ("params", "config", VERSION_KEY)}
     return Source(path, FORMAT, FLAX, tensors, plain_config(config, path) if config is not None else None,
-                  f"{path} ('config')", {}, lambda: file_sha256(path))
+                  f"{path} ('config')", {}, lambda: file_sha256(path),
+                  family.name if version is not None else None, others)
 
 
 def _leaf_ref(name: str, leaf: Any, path: Path) -> TensorRef:
@@ -59,28 +75,13 @@ def _leaf_array(name: str, leaf: Any, path: Path) -> np.ndarray:
     raise CheckpointError(f"{path}: params/{name} is a {type(leaf).__name__}, expected a numpy array")
 
 
-def plain_config(config: Any, path: Path | str) -> dict[str, Any]:
-    """Config dict with numpy scalars turned into Python values (so it can go to JSON)."""
-    if not isinstance(config, Mapping):
-        raise CheckpointError(f"{path}: 'config' is a {type(config).__name__}, expected a dict of fields")
-    out = {}
-    for key, value in config.items():
-        if not isinstance(key, str):
-            raise CheckpointError(f"{path}: config key {key!r} is not a string")
-        if isinstance(value, np.generic):
-            value = value.item()
-        if not isinstance(value, (bool, int, float, str)):
-            raise CheckpointError(f"{path}: config.{key} is a {type(value).__name__}; expected a number, "
-                                  "string or bool")
-        out[key] = value
-    return out
-
-
 # ----------------------------------------------------------------------------- writing
 
 # Pickle opcodes (see pickletools); protocol 4 without framing, which every unpickler accepts.
 PROTO, STOP, MARK = b"\x80\x04", b".", b"("
 EMPTY_DICT, SETITEMS, EMPTY_TUPLE, TUPLE = b"}", b"u", b")", b"t"
+EMPTY_LIST, APPENDS = b"]", b"e"
+PARAMS = object()  # in `write`'s top-level dict: where the param tree goes
 TUPLES = {1: b"\x85", 2: b"\x86", 3: b"\x87"}
 NONE, NEWTRUE, NEWFALSE = b"N", b"\x88", b"\x89"
 REDUCE, BUILD, STACK_GLOBAL = b"R", b"b", b"\x93"
@@ -127,6 +128,13 @@ class PickleWriter:
             self.write(v)
         elif isinstance(v, tuple):
             self.tuple_(v)
+        elif isinstance(v, list):
+            self.write(EMPTY_LIST)
+            if v:
+                self.write(MARK)
+                for item in v:
+                    self.value(item)
+                self.write(APPENDS)
         elif isinstance(v, dict):
             self.write(EMPTY_DICT)
             if v:
@@ -181,17 +189,19 @@ class PickleWriter:
         self.write(TUPLE + BUILD)
 
 
-def write(path: Path, tensors: Mapping[str, Planned], config_dict: Mapping[str, Any],
+def write(path: Path, tensors: Mapping[str, Planned], top: Mapping[str, Any],
           on_bytes: Callable[[int], None] | None = None,
           check: Callable[[str, np.ndarray], None] | None = None) -> None:
-    """Write {"params": tree, "config": config_dict} to path; tensors: flax path -> planned tensor."""
+    """Write the top-level dict `top` (its `PARAMS` value: the tree of `tensors`, flax path -> planned tensor)."""
     segments = sink.Segments()
     w = PickleWriter(segments)
     w.write(PROTO + EMPTY_DICT + MARK)
-    w.value("params")
-    _tree(w, unflatten_tree(dict(tensors)))
-    w.value("config")
-    w.value(dict(config_dict))
+    for key, value in top.items():
+        w.value(key)
+        if value is PARAMS:
+            _tree(w, unflatten_tree(dict(tensors)))
+        else:
+            w.value(value)
     w.write(SETITEMS + STOP)
     sink.write_file(path, segments.done(), on_bytes=on_bytes, check=check)
 

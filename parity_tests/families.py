@@ -1,0 +1,29 @@
+"""The parity adapters of every family, looked up by name or by a config's family.
+
+Adding a family means adding `parity_tests/<family>/` and one line here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from convert.registry import family_named, family_of
+from parity_tests import v1
+from parity_tests.adapter import Adapter
+from parity_tests.tolerances import Profile, get_profile
+
+ADAPTERS: dict[str, Adapter] = {a.family: a for a in (v1.ADAPTER,)}
+
+
+def adapter_named(name: str) -> Adapter:
+    family_named(name)  # an unknown name: the registry's one-line error
+    return ADAPTERS[name]
+
+
+def adapter_of(config: Any) -> Adapter:
+    return ADAPTERS[family_of(config).name]
+
+
+def profile(config: Any, dtype: str, device: str = "cpu") -> Profile:
+    """The tolerance profile of the config's family for a dtype and device class."""
+    return get_profile(adapter_of(config).budgets, dtype, device)
