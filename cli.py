@@ -2,19 +2,27 @@
 
 Commands stay thin: parsing and printing here, the work in the packages. Library errors
 (`NeedleTwinError`) become one red line and exit code 2; exit code 1 means parity failed.
+The converter (framework-free) is imported up front; the parity and generation commands import
+`parity_tests` (torch and jax) inside the command, so `convert`/`inspect`/`diff` start in a fraction
+of a second.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from convert import commands
 from convert.errors import NeedleTwinError
+from convert.registry import family_named
+
 
 def _package_version() -> str:
     try:
@@ -99,18 +107,23 @@ def convert_command(
     max_shard_size: Annotated[Optional[str], typer.Option(
         "--max-shard-size", help="Shard a directory DST past this size, e.g. 2GB, 500MB, 1GiB (default 5GB).")] = None,
     config: Annotated[Optional[str], typer.Option("--config", help=_CONFIG_HELP)] = None,
+    bits: Annotated[Optional[str], typer.Option(
+        "--bits", help="A .cact DST's weight width: 2, 3, 4, 1.58 (ternary) or a bits map such as "
+                       "default=2,embedding=4,attn.q_proj=3 (default: the checkpoint's weight_bits, else 4).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        "--tokenizer", help="A .cact DST's SentencePiece tokenizer (.model), stored as its RAW record.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary line.")] = False,
 ) -> None:
-    """Convert a checkpoint between Flax and PyTorch formats, bit-exact unless --dtype casts."""
-    from pathlib import Path
-
-    from convert import commands
-
+    """Convert a checkpoint between Flax, PyTorch and .cact formats, bit-exact unless --dtype casts (a .cact is
+    quantised, and said to be lossy when read)."""
     r = commands.convert(Path(src), Path(dst), to=to, dtype=dtype, force=force, max_shard_size=max_shard_size,
-                         config_path=Path(config) if config else None, progress=not quiet)
+                         config_path=Path(config) if config else None, progress=not quiet, bits=bits,
+                         tokenizer=Path(tokenizer) if tokenizer else None)
     if not quiet:
         typer.echo(f"wrote {r.dst} ({r.dst_format}) from {r.src_format}: {r.num_parameters:,} parameters, "
                    f"{r.dtype}, {r.num_bytes / 2**20:,.1f} MiB in {r.seconds:.2f}s")
+    for note in r.notes:  # said even with --quiet: a lossy conversion must not pass unnoticed
+        typer.echo(f"note: {note}", err=True)
 
 
 @app.command("inspect")
@@ -120,20 +133,25 @@ def inspect_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
     config: Annotated[Optional[str], typer.Option("--config", help=_CONFIG_HELP)] = None,
 ) -> None:
-    """Show a checkpoint's format, config, metadata and every tensor's name, shape and dtype."""
-    import json
-    from pathlib import Path
+    """Show a checkpoint's format, family, config, metadata and every tensor's name, shape and dtype; lint a .cact.
 
-    from convert import commands
-
+    Exit code 0, or 1 when a .cact's lint finds problems, 2 on unreadable input."""
     info = commands.inspect(Path(path), Path(config) if config else None)
     if as_json:
         typer.echo(json.dumps(info, indent=2))
-        return
+        raise typer.Exit(1 if info.get("lint") else 0)
     cfg = info["config"]
     typer.echo(f"path:       {info['path']}")
-    typer.echo(f"format:     {info['format']} ({info['layout']} layout)")
+    typer.echo(f"format:     {info['format']}" + (f" ({info['layout']} layout)" if info["layout"] else ""))
+    if info["family"]:
+        typer.echo(f"family:     {info['family']} ({family_named(info['family']).title})")
+    if info["optional_groups"]:
+        typer.echo("groups:     " + ", ".join(f"{g} {'present' if on else 'absent'}"
+                                             for g, on in info["optional_groups"].items()))
     typer.echo("config:     " + (" ".join(f"{k}={v}" for k, v in cfg.items()) if cfg else "none"))
+    if info["unknown_config_keys"]:
+        unknown = ", ".join(info["unknown_config_keys"])
+        typer.echo(f"            keys upstream no longer knows (kept, unused): {unknown}")
     if info["config_origin"]:
         typer.echo(f"            from {info['config_origin']}")
     for key, value in info["metadata"].items():
@@ -144,9 +162,21 @@ def inspect_command(
                f"{info['num_bytes'] / 2**20:,.2f} MiB")
     scope = " (names, shapes and dtypes against the config; convert and diff read the values)"
     typer.echo(f"check:      {info['check']}" + (scope if info["check"] == "ok" else ""))
+    if "engine_config" in info:
+        typer.echo("engine:     " + " ".join(f"{k}={v}" for k, v in info["engine_config"].items()))
+        typer.echo(f"            {info['records']} records, bits {info['bits']}, heads "
+                   f"{', '.join(info['heads']) or 'none'}, tokenizer {'yes' if info['tokenizer'] else 'no'}")
+    if "lint" in info:
+        typer.echo("lint:       " + ("ok" if not info["lint"] else f"{len(info['lint'])} problem(s)"))
+        for problem in info["lint"]:
+            typer.echo(f"  - {problem}")
     width = max((len(t["name"]) for t in info["tensors"]), default=0)
     for t in info["tensors"]:
-        typer.echo(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']}")
+        where = (f"  stacked over {t['stacked']}" if "stacked" in t else f"  layer {t['layer']}" if "layer" in t
+                 else "") + (f"  [{t['group']}]" if "group" in t else "")
+        typer.echo(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']}{where}")
+    if info.get("lint"):
+        raise typer.Exit(1)
 
 
 @app.command("diff")
@@ -162,11 +192,6 @@ def diff_command(
 
     Exit code 0 when identical (same config, bit-identical tensors), 1 when they differ, 2 on bad input.
     """
-    import json
-    from pathlib import Path
-
-    from convert import commands
-
     r = commands.diff(Path(a), Path(b), Path(config_a) if config_a else None, Path(config_b) if config_b else None)
     if as_json:
         typer.echo(json.dumps(r.to_dict(), indent=2))
@@ -184,6 +209,7 @@ def diff_command(
             detail = (f"shape {tuple(t.shape_a)} vs {tuple(t.shape_b)}" if t.status == "shape" else
                       "max abs 0" if t.status == "identical" else
                       f"max abs {t.max_abs:.6g}, {t.num_different:,} elements differ"
+                      + (f" (layers {', '.join(map(str, t.layers))})" if t.layers else "")
                       + (f", dtype {t.dtype_a} vs {t.dtype_b}" if t.dtype_a != t.dtype_b else ""))
             typer.echo(f"  {t.name:<{width}}  {t.status:<12} {detail}")
         verdict = "checkpoints are identical" if r.identical else "checkpoints differ"
@@ -282,13 +308,14 @@ def parity_command(
 
     Exit code 0 when parity holds, 1 when it fails, 2 on bad input.
     """
-    from parity_tests import commands
+    from parity_tests import commands as parity
 
     if precision not in ("highest", "default"):
         raise NeedleTwinError(f"--precision {precision!r} is not one of highest, default")
-    report = commands.parity(
+    report = parity.parity(
         flax_ckpt, torch_ckpt=torch_ckpt, family=family, dtype=dtype, mode=mode, batch=batch, src_len=src_len,
-        tgt_len=tgt_len, seq_len=seq_len, seed=seed, inputs=inputs, tokenizer=tokenizer, queries=query or (), tools=tools, json_path=json_path,
+        tgt_len=tgt_len, seq_len=seq_len, seed=seed, inputs=inputs, tokenizer=tokenizer, queries=query or (),
+        tools=tools, json_path=json_path,
         html_path=html_path, force=force, torch_device=torch_device, jax_platform=jax_platform,
         pin_precision=precision == "highest", grads=grads, generate=generate, suppress_special=suppress_special,
         overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
@@ -325,9 +352,9 @@ def rescore_command(
 
     Without options it re-applies the report's own profile. Exit code 0 / 1 / 2 as for `parity`.
     """
-    from parity_tests import commands
+    from parity_tests import commands as parity
 
-    report = commands.rescore(report_path, json_path=json_path, html_path=html_path, force=force,
+    report = parity.rescore(report_path, json_path=json_path, html_path=html_path, force=force,
                               overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
     _show_report(report, quiet)
 

@@ -45,12 +45,16 @@ class ConvertResult:
     num_bytes: int
     dtype: str
     seconds: float
+    notes: list[str] = field(default_factory=list)  # e.g. what a lossy source (a .cact) could not give back
 
 
 def convert(src: Path, dst: Path, *, to: str | None = None, dtype: str | None = None, force: bool = False,
-            max_shard_size: str | None = None, config_path: Path | None = None, progress: bool = False
-            ) -> ConvertResult:
-    """Convert SRC to DST (format from DST's form and --to); strict, atomic, interruptible without leftovers."""
+            max_shard_size: str | None = None, config_path: Path | None = None, progress: bool = False,
+            bits: str | None = None, tokenizer: Path | None = None) -> ConvertResult:
+    """Convert SRC to DST (format from DST's form and --to); strict, atomic, interruptible without leftovers.
+
+    bits, tokenizer: a .cact output's quantisation (2, 3, 4, 1.58 or a bits map; None: the config's weight_bits,
+    else 4, as upstream's build) and its SentencePiece tokenizer record."""
     start = time.perf_counter()
     fmt = io.infer_write_format(dst, to)
     source = io.open_source(src)
@@ -59,11 +63,13 @@ def convert(src: Path, dst: Path, *, to: str | None = None, dtype: str | None = 
         io.weight_dtype(dtype).itemsize
     with _terminate_as_interrupt(), _progress_bar(total, f"{source.format} → {fmt}", progress) as on_bytes:
         io.write_source(source, config, dst, format=fmt, force=force, dtype=dtype, max_shard_size=max_shard_size,
-                        on_bytes=on_bytes)
+                        on_bytes=on_bytes, bits=bits, tokenizer=tokenizer)
     dtypes = sorted({dtype_name(t.dtype) for t in source.tensors.values()}) if dtype is None else [dtype]
+    owned = registry.FORMATS.get(source.format)
+    notes = [f"lossy: {owned.lossy} ({source.metadata['lossy']})"] if owned is not None and owned.lossy else []
     return ConvertResult(Path(src), Path(dst), source.format, fmt, len(source.tensors),
                          sum(t.size for t in source.tensors.values()), total, ",".join(dtypes),
-                         time.perf_counter() - start)
+                         time.perf_counter() - start, notes)
 
 
 @contextlib.contextmanager
@@ -108,8 +114,20 @@ def _natural(name: str) -> list[Any]:
 
 
 def inspect(path: Path, config_path: Path | None = None) -> dict[str, Any]:
-    """Everything a checkpoint says about itself, without converting it (tensor data is not read)."""
-    source = io.open_source(path)
+    """Everything a checkpoint says about itself, without converting it (tensor data is not read; a family's own
+    format adds its extras, e.g. a .cact's lint and the header the engine reads)."""
+    fmt = io.detect_format(path)
+    owned = registry.FORMATS.get(fmt)
+    extras = owned.describe(Path(path)) if owned is not None and owned.describe is not None else {}
+    try:
+        source = io.open_source(path, fmt)
+    except NeedleTwinError as e:
+        if not extras:
+            raise
+        return {"path": str(path), "format": fmt, "layout": None, "family": owned.family, "optional_groups": None,
+                "config": None, "unknown_config_keys": [], "stored_config": None, "config_origin": None,
+                "metadata": {}, "num_tensors": 0, "num_parameters": 0, "num_bytes": 0, "dtypes": {}, "check": str(e),
+                "tensors": [], **extras}
     config, check, family, groups = None, "ok", None, None
     try:
         family = io.source_family(source)
@@ -119,8 +137,9 @@ def inspect(path: Path, config_path: Path | None = None) -> dict[str, Any]:
     except NeedleTwinError as e:
         check = str(e)
     refs = source.tensors
-    tensors = [{"name": name, "shape": list(refs[name].shape), "dtype": dtype_name(refs[name].dtype)}
-               for name in sorted(refs, key=_natural)]
+    roles = family.table(config).rule_of(source.layout) if config is not None else {}
+    tensors = [{"name": name, "shape": list(refs[name].shape), "dtype": dtype_name(refs[name].dtype),
+                **_role(roles.get(name), source.layout)} for name in sorted(refs, key=_natural)]
     dtypes: dict[str, int] = {}
     for t in tensors:
         dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
@@ -135,8 +154,22 @@ def inspect(path: Path, config_path: Path | None = None) -> dict[str, Any]:
         else (source.config_origin or None),
         "metadata": dict(source.metadata),
         "num_tensors": len(tensors), "num_parameters": sum(math.prod(t["shape"]) for t in tensors),
-        "num_bytes": source.nbytes, "dtypes": dtypes, "check": check, "tensors": tensors,
+        "num_bytes": source.nbytes, "dtypes": dtypes, "check": check, "tensors": tensors, **extras,
     }
+
+
+def _role(found: tuple | None, layout: str) -> dict[str, Any]:
+    """Where a tensor sits in its family's table: stacked over how many layers (a Flax array) or which layer it is
+    (a torch tensor), and its optional group."""
+    if found is None:
+        return {}
+    rule, index = found
+    out: dict[str, Any] = {}
+    if rule.stack is not None:
+        out["layer" if layout == "torch" else "stacked"] = index if layout == "torch" else rule.stack
+    if rule.group is not None:
+        out["group"] = rule.group
+    return out
 
 
 # ----------------------------------------------------------------------------- diff
@@ -152,6 +185,7 @@ class TensorDiff:
     dtype_b: str | None = None
     max_abs: float | None = None  # None when shapes differ; nan when NaN positions differ
     num_different: int = 0
+    layers: list[int] | None = None  # a layer-stacked array's differing layers (along its leading axis)
 
 
 @dataclass
@@ -200,6 +234,11 @@ class _DiffSide:
         config = io.resolve_config(source, _config_arg(config_path))
         return cls(source, config, *plan.present_flax_view(source, registry.family_of(config), config))
 
+    def stacked(self) -> set[str]:
+        """The Flax names of this side's whole layer-stacked arrays."""
+        table = registry.family_of(self.config).table(self.config)
+        return {r.flax for r in table.rules if r.stack is not None}
+
     def by_name(self, split: set[str]) -> dict[str, plan.Planned]:
         """Every tensor by its compared name: the stacks in `split` layer by layer ("name[i]")."""
         whole = [q for p in self.view for q in (plan.layers(p) if p.name in split else [p])]
@@ -218,13 +257,15 @@ def diff(a: Path, b: Path, config_a: Path | None = None, config_b: Path | None =
     by_a, by_b = side_a.by_name(split), side_b.by_name(split)
     result.only_a = sorted(set(by_a) - set(by_b), key=_natural)
     result.only_b = sorted(set(by_b) - set(by_a), key=_natural)
+    stacked = side_a.stacked() | side_b.stacked()
     for name in sorted(set(by_a) & set(by_b), key=_natural):
-        result.tensors.append(compare(name, by_a[name], by_b[name]))
+        result.tensors.append(compare(name, by_a[name], by_b[name], stacked=name in stacked))
     return result
 
 
-def compare(name: str, pa: plan.Planned, pb: plan.Planned) -> TensorDiff:
-    """Bitwise identity, else the max |a - b| (in float64) and how many elements differ."""
+def compare(name: str, pa: plan.Planned, pb: plan.Planned, stacked: bool = False) -> TensorDiff:
+    """Bitwise identity, else the max |a - b| (in float64), how many elements differ and (stacked: a layer-stacked
+    array) in which layers."""
     d = TensorDiff(name, "identical", pa.shape, pb.shape, dtype_name(pa.dtype), dtype_name(pb.dtype))
     if pa.shape != pb.shape:
         d.status = "shape"
@@ -234,17 +275,22 @@ def compare(name: str, pa: plan.Planned, pb: plan.Planned) -> TensorDiff:
         d.max_abs = 0.0
         return d
     worst, count, nan_mismatch = 0.0, 0, False
+    per_layer = max(1, x.size // pa.shape[0]) if stacked and pa.shape else 0
+    changed: set[int] = set()
     for start in range(0, x.size, _DIFF_BLOCK):
         u = x[start:start + _DIFF_BLOCK].astype(np.float64)
         v = y[start:start + _DIFF_BLOCK].astype(np.float64)
         same = (u == v) | (np.isnan(u) & np.isnan(v))
         count += int(np.count_nonzero(~same))
+        if per_layer:
+            changed.update(((start + np.flatnonzero(~same)) // per_layer).tolist())
         nan_mismatch |= bool(np.any(np.isnan(u) ^ np.isnan(v)))
         delta = np.abs(u - v)[~same & ~np.isnan(u) & ~np.isnan(v)]
         if delta.size:
             worst = max(worst, float(delta.max()))
     d.max_abs = math.nan if nan_mismatch else worst
     d.num_different = count
+    d.layers = sorted(changed) if per_layer else None
     if pa.dtype != pb.dtype:
         d.status = "dtype+values" if count else "dtype"
     else:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from convert.fields import FamilyConfig
 from convert.rules import FLAX, ParamTable, Rule, pattern
+from convert.source import Source
 
 
 @dataclass(frozen=True)
@@ -70,4 +72,19 @@ class Family:
         return self.config_cls.from_dict(d)
 
 
-__all__ = ["FLAX", "Family"]
+@dataclass(frozen=True)
+class FileFormat:
+    """A format a family owns (Needle 2's `.cact`), recognised, read and written through the same io front door."""
+
+    name: str  # the format's name in messages and `inspect` ("cact")
+    family: str
+    extensions: tuple[str, ...]
+    sniff: Callable[[bytes], bool]  # from the first 16 bytes of a file
+    read: Callable[[Path], Source]  # -> the family's Flax tree as a Source, with its config dict
+    write: Callable[..., None] | None  # (params, config, tmp path, **options) -> None
+    options: tuple[str, ...] = ()  # write options the CLI passes through (e.g. bits, tokenizer)
+    lossy: str = ""  # what is lost reading it back, said whenever it is converted
+    describe: Callable[[Path], dict] | None = None  # `inspect`'s extras: {"lint": [problems], ...}, never raises
+
+
+__all__ = ["FLAX", "Family", "FileFormat"]

@@ -37,19 +37,19 @@ from convert.formats.common import (
     config_to_json,
     load_config_json,
 )
-from convert.mapping import source_from_tree
 from convert.rules import FLAX, TORCH, ParamTable
-from convert.source import Source, checkpoint_size
+from convert.source import Source, checkpoint_size, source_from_tree
 from convert.tensors import is_finite, weight_dtype
 from convert.trees import unflatten_tree
 
 PICKLE, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT = (
     "upstream-pickle", "safetensors", "hf-dir", "flax-msgpack", "orbax", "torch-pt")
-READ_FORMATS = (PICKLE, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT)
-WRITE_FORMATS = (SAFETENSORS, HF_DIR, PICKLE, MSGPACK, ORBAX)
+READ_FORMATS = (PICKLE, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT, *registry.FORMATS)
+WRITE_FORMATS = (SAFETENSORS, HF_DIR, PICKLE, MSGPACK, ORBAX, *(n for n, f in registry.FORMATS.items() if f.write))
 TORCH_FORMATS, FLAX_FORMATS = (SAFETENSORS, HF_DIR), (PICKLE, MSGPACK, ORBAX)
 _EXTENSIONS = {".pkl": PICKLE, ".pickle": PICKLE, ".safetensors": SAFETENSORS, ".msgpack": MSGPACK,
-               ".pt": TORCH_PT, ".pth": TORCH_PT, ".bin": TORCH_PT}
+               ".pt": TORCH_PT, ".pth": TORCH_PT, ".bin": TORCH_PT,
+               **{ext: f.name for f in registry.FORMATS.values() for ext in f.extensions}}
 _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding")
 # Metadata keys the writer owns; caller-supplied values for them are ignored (always recomputed).
 _RESERVED_METADATA = ("format", "format_version", "tool_version", "config", "source_format", "source_sha256",
@@ -108,6 +108,9 @@ def detect_format(path: str | Path) -> str:
 
 
 def _sniff(head: bytes) -> str | None:
+    for owned in registry.FORMATS.values():  # first: a .cact tag would read as a msgpack map below
+        if owned.sniff(head):
+            return owned.name
     if head[:4] == b"PK\x03\x04":
         return TORCH_PT  # torch.save's zip container
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
@@ -133,6 +136,7 @@ _READERS = {
     MSGPACK: msgpack_format.read,
     ORBAX: orbax_format.read,
     TORCH_PT: torch_format.read,
+    **{f.name: f.read for f in registry.FORMATS.values()},
 }
 
 
@@ -257,12 +261,18 @@ def infer_write_format(dst: str | Path, to: str | None = None) -> str:
     if to not in (None, "torch", "flax"):
         raise NeedleTwinError(f"--to {to!r} is unknown; use torch or flax")
     suffix = dst.suffix.lower()
-    by_suffix = {".safetensors": SAFETENSORS, ".pkl": PICKLE, ".pickle": PICKLE, ".msgpack": MSGPACK}.get(suffix)
+    by_suffix = {".safetensors": SAFETENSORS, ".pkl": PICKLE, ".pickle": PICKLE, ".msgpack": MSGPACK,
+                 **{ext: f.name for f in registry.FORMATS.values() if f.write for ext in f.extensions}}.get(suffix)
     if by_suffix is None and (dst.is_dir() or not suffix):
         return ORBAX if to == "flax" else HF_DIR
     if by_suffix is None:
         raise NeedleTwinError(f"cannot tell the output format from {dst.name!r}; use .safetensors or a directory "
-                              "(torch), .pkl or .msgpack (Flax), or a directory with --to flax (Orbax)")
+                              "(torch), .pkl or .msgpack (Flax), a directory with --to flax (Orbax), or .cact "
+                              "(a quantised Needle 2 build)")
+    if by_suffix in registry.FORMATS:
+        if to is not None:
+            raise NeedleTwinError(f"--to does not apply to {dst.name!r}, a {by_suffix} file; drop --to")
+        return by_suffix
     side = "torch" if by_suffix in TORCH_FORMATS else "flax"
     if to is not None and to != side:
         raise NeedleTwinError(f"--to {to} contradicts the output name {dst.name!r}, which is a {side} format; "
@@ -293,12 +303,25 @@ def write_checkpoint(params: Mapping[str, Any], config: FamilyConfig, dst: str |
 def write_source(source: Source, config: FamilyConfig, dst: str | Path, *, format: str | None = None,
                  force: bool = False, dtype: str | None = None, metadata: Mapping[str, str] | None = None,
                  max_shard_size: int | str | None = None, check_finite: bool = True,
-                 on_bytes: Callable[[int], None] | None = None) -> Path:
-    """Convert an opened checkpoint to dst after strict checks; nothing is left at dst on any failure."""
+                 on_bytes: Callable[[int], None] | None = None, **options: Any) -> Path:
+    """Convert an opened checkpoint to dst after strict checks; nothing is left at dst on any failure.
+
+    options: a family format's write options (a .cact: bits, tokenizer); None values are left out."""
     dst = Path(dst)
     fmt = format or infer_write_format(dst)
     if fmt not in WRITE_FORMATS:
         raise NeedleTwinError(f"cannot write format {fmt!r}; writable: {', '.join(WRITE_FORMATS)}")
+    options = {k: v for k, v in options.items() if v is not None}
+    owned = registry.FORMATS.get(fmt)
+    allowed = owned.options if owned is not None else ()
+    stray = sorted(set(options) - set(allowed))
+    if stray:
+        raise NeedleTwinError(f"{', '.join('--' + k for k in stray)} only apply to a "
+                              f"{' or '.join(n for n, f in registry.FORMATS.items() if set(stray) <= set(f.options))} "
+                              f"output, not {fmt}; drop them or change DST")
+    if owned is not None and registry.family_of(config).name != owned.family:
+        raise NeedleTwinError(f"a {fmt} file holds a {registry.family_named(owned.family).title} model, but this "
+                              f"checkpoint is {registry.family_of(config).title}")
     directory = fmt in (HF_DIR, ORBAX)
     if max_shard_size is not None and fmt != HF_DIR:
         raise NeedleTwinError("--max-shard-size applies to a directory output (HF-style shards); "
@@ -310,7 +333,8 @@ def write_source(source: Source, config: FamilyConfig, dst: str | Path, *, forma
     meta = _output_metadata(source, config, dtype, metadata, with_hash=fmt in (SAFETENSORS, HF_DIR))
     with atomic.atomic_output(dst, force=force, directory=directory) as tmp:
         try:
-            bad = _write(fmt, source, table, config, cast, tmp, meta, max_shard_size, check_finite, on_bytes)
+            bad = _write(fmt, source, table, config, cast, tmp, meta, max_shard_size, check_finite, on_bytes,
+                         options)
         except OSError as e:  # disk full, quota, read-only folder...: our temp file goes, DST is untouched
             raise NeedleTwinError(f"converting to {dst} failed: {e.strerror or e} ({e.filename or tmp}); "
                                   "nothing was written") from None
@@ -379,10 +403,18 @@ def upstream_config_dict(config: FamilyConfig, metadata: Mapping[str, str]) -> d
 
 def _write(fmt: str, source: Source, table: ParamTable, config: FamilyConfig, cast: np.dtype | None,
            tmp: Path, meta: dict[str, str], max_shard_size: int | str | None, check_finite: bool,
-           on_bytes: Callable[[int], None] | None) -> list[str]:
+           on_bytes: Callable[[int], None] | None, options: Mapping[str, Any]) -> list[str]:
     """Dispatch to the format writer; returns the names of non-finite tensors (the caller aborts on any)."""
     bad: list[str] = []
     check = _FiniteChecker(bad) if check_finite else None
+    if fmt in registry.FORMATS:  # a family's own format: it takes the whole tree in memory
+        arrays = {p.name: p.array() for p in plan.flax_view(source, table, cast)}
+        for name, array in arrays.items():
+            if check is not None:
+                check(name, array)
+        if not bad:
+            registry.FORMATS[fmt].write(unflatten_tree(arrays), config, tmp, **options)
+        return bad
     if fmt in (SAFETENSORS, HF_DIR):
         view = plan.torch_view(source, table, cast)
         # Only safetensors has room for the source hash (a placeholder in meta when there is one to compute).

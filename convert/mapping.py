@@ -9,28 +9,14 @@ when they meet it, so `convert` itself imports neither torch nor jax.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from convert import plan
 from convert.registry import family_of
-from convert.rules import FLAX, TORCH
-from convert.source import Source
-from convert.tensors import TensorRef
-from convert.trees import as_numpy, flatten_tree, np_dtype, numpy_to_torch, unflatten_tree
-
-
-def source_from_tree(params: Mapping[str, Any], path: str | Path = "<params>") -> Source:
-    """An in-memory Flax tree (numpy, jax or torch leaves) as a Source."""
-    tensors = {name: TensorRef.of(as_numpy(leaf)) for name, leaf in flatten_tree(params).items()}
-    return Source(Path(path), "memory", FLAX, tensors)
-
-
-def source_from_state(state: Mapping[str, Any], path: str | Path = "<state_dict>") -> Source:
-    """An in-memory torch state_dict (tensors or numpy arrays) as a Source."""
-    return Source(Path(path), "memory", TORCH, {name: TensorRef.of(as_numpy(v)) for name, v in state.items()})
+from convert.source import source_from_state, source_from_tree
+from convert.trees import np_dtype, numpy_to_torch, unflatten_tree
 
 
 def flax_to_torch_numpy(params: Mapping[str, Any], config) -> dict[str, np.ndarray]:

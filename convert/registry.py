@@ -1,6 +1,6 @@
 """The model families needle-twin knows, and how a checkpoint's family is recognised from its content.
 
-Adding a family means adding its folders and one line here (and one in parity_tests.families).
+Adding a family means adding its folders and its line here (and one in parity_tests.families).
 """
 
 from __future__ import annotations
@@ -8,12 +8,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from convert import v1, v2
 from convert.errors import CheckpointError, ConfigError
-from convert.family import Family
+from convert.family import Family, FileFormat
 from convert.rules import markdown, pattern
+from convert.v1.family import FAMILY as V1
+from convert.v2 import formats as v2_formats
+from convert.v2.family import FAMILY as V2
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (v1.FAMILY, v2.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (V1, V2)}
+FORMATS: dict[str, FileFormat] = {f.name: f for f in (*v2_formats.FORMATS,)}  # the formats families own
 
 
 def family_named(name: str) -> Family:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from convert.errors import CheckpointError
+from convert.rules import FLAX, TORCH
 from convert.tensors import TensorRef
+from convert.trees import as_numpy, flatten_tree
 
 _HASH_WINDOW = 64 * 2**20  # a multiple of mmap.ALLOCATIONGRANULARITY
 
@@ -60,3 +62,14 @@ def file_sha256(path: Path) -> str:
             with mmap.mmap(f.fileno(), min(_HASH_WINDOW, size - start), offset=start, access=mmap.ACCESS_READ) as m:
                 digest.update(m)
     return digest.hexdigest()
+
+
+def source_from_tree(params: Mapping[str, Any], path: str | Path = "<params>") -> Source:
+    """An in-memory Flax tree (numpy, jax or torch leaves) as a Source."""
+    tensors = {name: TensorRef.of(as_numpy(leaf)) for name, leaf in flatten_tree(params).items()}
+    return Source(Path(path), "memory", FLAX, tensors)
+
+
+def source_from_state(state: Mapping[str, Any], path: str | Path = "<state_dict>") -> Source:
+    """An in-memory torch state_dict (tensors or numpy arrays) as a Source."""
+    return Source(Path(path), "memory", TORCH, {name: TensorRef.of(as_numpy(v)) for name, v in state.items()})

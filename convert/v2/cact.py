@@ -35,9 +35,8 @@ import numpy as np
 from convert import plan
 from convert.atomic import atomic_output
 from convert.errors import CheckpointError, ConfigError, NeedleTwinError, TokenizerError, one_line
-from convert.mapping import source_from_tree
+from convert.source import source_from_tree
 from convert.trees import flatten_tree, unflatten_tree
-from convert.v2 import FAMILY
 from convert.v2.bits import (
     DEFAULT_BITS,
     Bits,
@@ -63,6 +62,7 @@ from convert.v2.cq import (
     unpack_codes,
     width_of_record,
 )
+from convert.v2.family import FAMILY
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES
 
 TAG = 0x05E12A83  # Needle 2's .cact, as upstream 2.0.3+ writes and the engine reads

@@ -1,0 +1,24 @@
+"""The Needle 2 family declaration: what shared code knows of it."""
+
+from __future__ import annotations
+
+from convert.family import Family
+from convert.v2 import mapping
+from convert.v2.config import NEEDLE_V2_PUBLISHED, TransformerConfig
+
+FAMILY = Family(
+    name="v2",
+    title="Needle 2 (decoder-only)",
+    config_cls=TransformerConfig,
+    rules=mapping.rules,
+    dims=mapping.dims,
+    stack_names=mapping.STACKS,
+    symbols=mapping.SYMBOLS,
+    published=NEEDLE_V2_PUBLISHED,
+    docs_config=TransformerConfig(d_model=64, num_heads=4, num_kv_heads=2, num_layers=3, engram_layers=(1,),
+                                  vocab_size=512, engram_slots=64),
+    groups=mapping.GROUPS,
+    default_groups=mapping.DEFAULT_GROUPS,
+    pickle_version=2,
+    pickle_keys=("format_version", "params", "config", "step", "run"),
+)
