@@ -34,9 +34,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from convert.mapping import random_flax_params
-from convert.trees import np_dtype
-from convert.v1.config import FIRST_PLAIN_ID, NEEDLE_V1_PUBLISHED, SPECIAL_IDS, TransformerConfig
+from convert.mapping import random_flax_params  # noqa: E402
+from convert.trees import np_dtype  # noqa: E402
+from convert.v1.config import FIRST_PLAIN_ID, NEEDLE_V1_PUBLISHED, SPECIAL_IDS, TransformerConfig  # noqa: E402
 
 SUPPRESS = SPECIAL_IDS  # PAD EOS BOS UNK <tool_call> <tools>: no early stop on random weights
 

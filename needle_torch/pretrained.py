@@ -24,6 +24,7 @@ from convert.source import Source
 from convert.tensors import TensorRef, is_finite, weight_dtype
 from convert.trees import as_numpy, numpy_to_torch
 from needle_torch.layers import TORCH_DTYPES
+
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 

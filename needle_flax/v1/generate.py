@@ -124,9 +124,9 @@ def generate(model: SimpleAttentionNetwork, params, src, src_mask=None, max_new_
     """Greedy cached generation from EOS; tokens (B, 1 + steps) int32, or (tokens, logits (B, steps, V)).
 
     src: (B, S) int token ids, right-padded with pad_token_id; src_mask: bool (B, 1, 1, S) encoder/cross mask
-    (None: the padding mask of src, as upstream's generate builds it; an explicit mask wins). streamer: called with each step's
-    (B,) tokens as they are produced. return_logits: also return the float32 logits each step chose from
-    (before suppression).
+    (None: the padding mask of src, as upstream's generate builds it; an explicit mask wins). streamer: called
+    with each step's (B,) tokens as they are produced. return_logits: also return the float32 logits each step
+    chose from (before suppression).
     """
     suppress = _suppress(check_generate_args(model.config, src, src_mask, max_new_tokens, eos_token_id,
                                              pad_token_id, suppress_tokens))

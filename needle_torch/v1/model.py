@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from convert.v1.config import TransformerConfig
 from needle_torch.kernels import Linear, as_reduction, matmul_nt, reduces_when_compiled
 from needle_torch.layers import (
-    TORCH_DTYPES,
     Tap,
     ZCRMSNorm,
     apply_rope,
@@ -32,6 +31,7 @@ from needle_torch.layers import (
 )
 from needle_torch.pretrained import Pretrained
 from needle_torch.v1.generate import generate as generate_cached
+
 
 def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """softmax(q k^T / sqrt(h)) v with upstream's precision; returns float32 (B, H, T, h).

@@ -19,6 +19,7 @@ L layers, V vocab, N engram tables, p probes, C = T·(L+1) cells, c contrastive 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -28,10 +29,11 @@ from torch import Tensor, nn
 from convert.errors import ConfigError
 from convert.v2.config import TransformerConfig
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, GROUPS
-from needle_torch.kernels import Linear
+from needle_torch.kernels import Linear, as_reduction, matmul_nt, reduces_when_compiled
 from needle_torch.layers import Tap, ZCRMSNorm, apply_rope, make_attention_mask, make_causal_mask, precompute_rope_freqs
 from needle_torch.pretrained import Pretrained
-from needle_torch.v2.engram import Engram, engram_indices, engram_masks
+from needle_torch.v2.engram import Engram, engram_history_masks, engram_indices, engram_masks
+from needle_torch.v2.generate import generate as generate_cached
 from needle_torch.v2.lanes import (
     aq,
     flatten_lanes,
@@ -65,6 +67,41 @@ def make_window_mask(seq_len: int, window: int, sink: Tensor | None = None, devi
     if sink is not None:
         near = near | (sink != 0)[:, None, None, :]  # (B, 1, T, T)
     return near
+
+
+def make_decode_mask(positions: Tensor, valid: Tensor, window: int = 0, sink: Tensor | None = None) -> Tensor:
+    """The key mask of upstream's cached decoding (§6): (B, 1, S, M) bool for queries at buffer positions
+    `positions` (S,) over keys 0..M-1 with validity `valid` (B, M) and sinks `sink` (B, M) or None.
+
+    Key k is visible from query q iff k <= q ∧ valid_k [∧ (q - k < window ∨ sink_k)], or k = q: upstream's flash
+    prefill ORs the diagonal so that left-pad rows see themselves (finite, exact goldens); in a single step the
+    query is a generated, always valid position, so the diagonal changes nothing there."""
+    keys = torch.arange(valid.shape[1], device=valid.device)
+    back = positions[:, None] - keys[None, :]  # (S, M): q - k
+    ok = (back >= 0)[None] & valid[:, None, :]  # (B, S, M)
+    if window > 0:
+        near = (back < window)[None]  # (1, S, M)
+        ok = ok & (near if sink is None else near | sink[:, None, :])
+    return (ok | (back == 0)[None])[:, None]  # (B, 1, S, M)
+
+
+def write_kv(cache: tuple[Tensor, Tensor, int | Tensor], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Store k, v (B, K, S, h) at positions pos..pos+S-1 of one layer's buffers (k_buf, v_buf, pos), each
+    (B, K, M, h); returns the keys and values to attend over.
+
+    An int pos returns the filled prefix (B, K, pos+S, h). A 0-d tensor pos returns the whole buffer, so shapes
+    never change (one compiled graph for every step); the mask then hides the later positions, which softmax
+    gives exactly zero weight."""
+    k_buf, v_buf, pos = cache
+    S = k.shape[2]
+    if isinstance(pos, Tensor):
+        at = pos + torch.arange(S, device=k.device)  # (S,)
+        k_buf.index_copy_(2, at, k.to(k_buf.dtype))
+        v_buf.index_copy_(2, at, v.to(v_buf.dtype))
+        return k_buf, v_buf
+    k_buf[:, :, pos:pos + S] = k
+    v_buf[:, :, pos:pos + S] = v
+    return k_buf[:, :, :pos + S], v_buf[:, :, :pos + S]
 
 
 def sigmoid(x: Tensor) -> Tensor:
@@ -165,7 +202,9 @@ class Attention(nn.Module):
         self.gate_proj = Linear(D, A, bias=False)
         self.out_proj = Linear(A, D, bias=False)
 
-    def forward(self, x: Tensor, mask: Tensor, rope: tuple[Tensor, Tensor], quant: bool | Tensor = False) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, rope: tuple[Tensor, Tensor], quant: bool | Tensor = False,
+                cache: tuple[Tensor, Tensor, int | Tensor] | None = None) -> Tensor:
+        """cache: this layer's (k_buf, v_buf, pos) for cached decoding (write_kv); mask then covers its keys."""
         B, T, _ = x.shape
         H, K, h = self.num_heads, self.num_kv_heads, self.head_dim
         x = aq(x, quant)
@@ -175,6 +214,8 @@ class Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, *rope).to(q.dtype)  # RoPE in float32 (the f32 tables promote), cast back like upstream
         k = apply_rope(k, *rope).to(k.dtype)
+        if cache is not None:  # K after k_norm and RoPE, V as projected: what the next steps attend over
+            k, v = write_kv(cache, k, v)  # (B, K, M or pos + T, h)
         out = dot_product_attention(q, k, v, mask, self.flash)  # (B, H, T, h)
         out = out.transpose(1, 2).reshape(B, T, H * h)  # (B, T, A)
         out = aq(out * sigmoid(self.gate_proj(x)), quant)  # f32 out (bf16 non-flash) promotes, as upstream
@@ -220,8 +261,10 @@ class Block(nn.Module):
         self.tap_attn_out = Tap()
 
     def forward(self, x: Tensor, mask: Tensor, rope: tuple[Tensor, Tensor], quant: bool | Tensor = False,
-                engram: tuple[Tensor, Tensor, tuple[int, ...]] | None = None) -> Tensor:
-        """engram: (rms_unit(ek) (G, B, T, D) float32, ev (G, B, T, D), the sites g this layer injects)."""
+                engram: tuple[Tensor, Tensor, tuple[int, ...]] | None = None,
+                cache: tuple[Tensor, Tensor, int | Tensor] | None = None) -> Tensor:
+        """engram: (rms_unit(ek) (G, B, T, D) float32, ev (G, B, T, D), the sites g this layer injects);
+        cache: the attention's K/V buffers and position for cached decoding."""
         B, T, D = x.shape
         if engram is None:  # mtp_block: no engram
             alpha, inject, sites = x.new_zeros((0, B, T), dtype=torch.float32), x.new_zeros((B, T, D)), ()
@@ -238,7 +281,7 @@ class Block(nn.Module):
         inject = self.tap_engram_inject(inject)
         if sites:
             x = x + inject
-        a = self.tap_attn_out(self.self_attn(self.pre_attn_norm(x), mask, rope, quant))
+        a = self.tap_attn_out(self.self_attn(self.pre_attn_norm(x), mask, rope, quant, cache))
         x = x + sigmoid(self.attn_gate).to(x.dtype) * self.post_attn_norm(a)
         return x + self.hadamard_mlp(self.pre_hada_norm(x))
 
@@ -264,7 +307,8 @@ class MHCLayer(nn.Module):
         self.tap_u, self.tap_y, self.tap_state = Tap(), Tap(), Tap()
 
     def forward(self, lanes: Tensor, mask: Tensor, rope: tuple[Tensor, Tensor], quant: bool | Tensor = False,
-                engram: tuple[Tensor, Tensor, tuple[int, ...]] | None = None) -> Tensor:
+                engram: tuple[Tensor, Tensor, tuple[int, ...]] | None = None,
+                cache: tuple[Tensor, Tensor, int | Tensor] | None = None) -> Tensor:
         """lanes (B, T, n, D) in the compute dtype -> the new lanes, cast back to it (§10.7)."""
         dtype = lanes.dtype
         pre_off, post_off = lane_offsets(self.layer, lanes.shape[2], lanes.device)
@@ -273,7 +317,7 @@ class MHCLayer(nn.Module):
         hpost = self.tap_hpost(post_weights(xhat, self.phi_post.weight, self.a_post, self.b_post, post_off))
         hres = self.tap_hres(res_weights(xhat, self.phi_res.weight, self.a_res, self.b_res))
         u = self.tap_u(mix_in(hpre, lanes, dtype))  # (B, T, D)
-        y = self.tap_y(self.block(u, mask, rope, quant, engram) - u)  # the block's own residuals, then - u (§10.6)
+        y = self.tap_y(self.block(u, mask, rope, quant, engram, cache) - u)  # the block's own residuals, then - u (§10.6)
         return self.tap_state(mix_out(hres, hpost, lanes, y, dtype))  # (B, T, n, D)
 
 
@@ -289,8 +333,10 @@ class Stack(nn.Module):
 
     def forward(self, x0: Tensor, mask: Tensor, rope: tuple[Tensor, Tensor], quant: bool | Tensor = False,
                 ek: Tensor | None = None, ev: Tensor | None = None, collect_hidden: bool = False,
-                ) -> tuple[Tensor, list[Tensor]]:
-        """x0 (B, T, D) -> (final-normed x (B, T, D), [lane mean after each layer] if collect_hidden)."""
+                kv: tuple[Tensor, Tensor, int | Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """x0 (B, T, D) -> (final-normed x (B, T, D), [lane mean after each layer] if collect_hidden).
+
+        kv: cached decoding's (K buffers, V buffers, pos), the buffers (L, B, K, M, h); layer i uses slice i."""
         dtype = self.final_norm.scale.dtype  # the compute dtype
         B, T, D = x0.shape
         lanes = x0.to(dtype)[:, :, None, :].expand(B, T, self.lanes, D)  # (B, T, n, D)
@@ -298,7 +344,8 @@ class Stack(nn.Module):
         hidden = []
         for i, layer in enumerate(self.layers):
             sites = tuple(g for g, site in enumerate(self.sites) if site == i)
-            lanes = layer(lanes, mask, rope, quant, None if ek is None else (ek_unit, ev, sites))
+            cache = None if kv is None else (kv[0][i], kv[1][i], kv[2])
+            lanes = layer(lanes, mask, rope, quant, None if ek is None else (ek_unit, ev, sites), cache)
             if collect_hidden:
                 hidden.append(lanes.mean(dim=2))  # (B, T, D) in the compute dtype
         return self.final_norm(lanes.mean(dim=2)), hidden
@@ -334,6 +381,32 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, cells: Tensor, keep: Tensor) -> Tensor:
         return self.proj(probe_pool(cells, self.probes, keep, self.proj.weight.dtype))[:, 0].float()  # (B,)
+
+
+# ----------------------------------------------------------------------------- cached decoding state
+
+
+@dataclass
+class DecodeCache:
+    """One cached-decoding request's state (upstream's decode.py, §6), preallocated for M buffer positions.
+
+    k, v: (L, B, K, M, h) in the compute dtype: K after k_norm and RoPE, V as projected. The forward rounds both
+    to the compute dtype before attending, so this holds exactly what it would attend over (upstream's decode
+    keeps float32 caches because it runs everything in float32; so does a float32 model here).
+    hist (B, W + M) int64 and valid (B, W + M) bool: the token at every buffer position and upstream's `valid`
+    (key_valid and hist_valid), behind W = 4·max(O) leading zeros / False, so the engram's history window
+    [pos - W, pos + S) is one slice at every position. sink (B, M) bool or None and window (kv_window, 0 = off)
+    shape the attention mask only. rope: cos, sin (M, h/2), computed once. logits_weight: the tied embedding
+    upcast to float32 once per request (None: read in place, under compile or for a float32 model)."""
+
+    k: Tensor
+    v: Tensor
+    hist: Tensor
+    valid: Tensor
+    sink: Tensor | None
+    window: int
+    rope: tuple[Tensor, Tensor]
+    logits_weight: Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- model
@@ -464,6 +537,80 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         m = self.mtp_final_norm(self.mtp_block(m, mask, rope, quant))
         return logits, self.tap_mtp_logits(self._logits(aq(m, quant)))
 
+    # ------------------------------------------------------------------ cached decoding (upstream's decode.py)
+
+    def new_cache(self, batch: int, max_len: int, valid: Tensor | None = None, sink: Tensor | None = None,
+                  kv_window: int = 0, compiled: bool = False) -> DecodeCache:
+        """An empty DecodeCache for `batch` rows and max_len buffer positions.
+
+        valid: (B, max_len) bool, upstream's `valid` (False on left pads; None: all True); sink: (B, max_len) bool
+        or None (positions that stay visible under kv_window); compiled: the steps run under torch.compile, where
+        products of few rows read the embedding in place (kernels.reduces_when_compiled), so no float32 copy."""
+        cfg, W = self.config, self.config.engram_history
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        hist = torch.zeros(batch, W + max_len, dtype=torch.long, device=self.device)
+        if valid is None:
+            valid = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
+        valid = F.pad(valid.to(self.device, torch.bool), (W, 0))  # (B, W + M): False before the start
+        sink = None if sink is None else sink.to(self.device, torch.bool)
+        in_place = self.dtype == torch.float32 or (compiled and reduces_when_compiled(batch, self.device))
+        weight = None if in_place else self.embedding.weight.float()
+        return DecodeCache(k, torch.zeros_like(k), hist, valid, sink, int(kv_window), self._rope(max_len), weight)
+
+    def decode_step(self, tokens: Tensor, cache: DecodeCache, pos: int | Tensor, last_only: bool = False) -> Tensor:
+        """Feed tokens (B, S) at buffer positions pos..pos+S-1: float32 logits (B, S, V) (B, 1, V with last_only).
+
+        Writes the tokens into the history and their K/V into the cache. pos 0 with the prompt is upstream's
+        prefill; S = 1 a step. An int pos attends over the filled prefix; a 0-d int64 tensor keeps every shape
+        fixed (the whole buffer, later positions masked), so one compiled graph serves every step. RoPE reads the
+        absolute buffer position (left padding shifts it, as upstream's). Runs in the model's dtype, no quant."""
+        B, S = tokens.shape
+        W = self.config.engram_history
+        cos, sin = cache.rope
+        if isinstance(pos, Tensor):
+            positions = pos + torch.arange(S, device=tokens.device)  # (S,)
+            cache.hist.index_copy_(1, W + positions, tokens)
+            span = pos + torch.arange(W + S, device=tokens.device)  # (W + S,): history columns pos - W .. pos + S - 1
+            hist, hist_valid = cache.hist.index_select(1, span), cache.valid.index_select(1, span)  # (B, W + S)
+            rope = cos[positions], sin[positions]  # (S, h/2) each
+            key_valid, sink = cache.valid[:, W:], cache.sink  # (B, M)
+        else:
+            positions = torch.arange(pos, pos + S, device=tokens.device)  # (S,)
+            cache.hist[:, W + pos:W + pos + S] = tokens
+            hist, hist_valid = cache.hist[:, pos:pos + W + S], cache.valid[:, pos:pos + W + S]  # (B, W + S)
+            rope = cos[pos:pos + S], sin[pos:pos + S]  # (S, h/2) each
+            key_valid = cache.valid[:, W:W + pos + S]  # (B, pos + S): the filled prefix
+            sink = None if cache.sink is None else cache.sink[:, :pos + S]
+        mask = make_decode_mask(positions, key_valid, cache.window, sink)  # (B, 1, S, M or pos + S)
+        ek, ev = self._decode_engram(hist, hist_valid, S)
+        x, _ = self.stack(self._embed(tokens), mask, rope, False, ek, ev, kv=(cache.k, cache.v, pos))
+        return self._decode_logits(x[:, -1:] if last_only else x, cache.logits_weight)
+
+    def _decode_engram(self, hist: Tensor, hist_valid: Tensor, last: int) -> tuple[Tensor | None, Tensor | None]:
+        """Every site's key and value (G, B, last, D) for the last `last` tokens of the history window (B, W + S),
+        with validity from the history alone (upstream's decode: no attention mask, no kv_window)."""
+        if not len(self.engrams):
+            return None, None
+        idx = engram_indices(hist, self.config)  # (B, W + S, N): zeros before the buffer start are hashed
+        ngram_ok, tap_ok = engram_history_masks(hist_valid, self.config)
+        kv = [engram(idx, ngram_ok, tap_ok, last=last) for engram in self.engrams]
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # (G, B, last, D) each
+
+    def _decode_logits(self, x: Tensor, weight: Tensor | None) -> Tensor:
+        """f32(x)·f32(E)ᵀ (B, S, V): compiled few-row products read E in its own dtype (upcast in registers);
+        otherwise against `weight`, E upcast once per request (None: E itself, a float32 model's)."""
+        if as_reduction(x.shape[:-1].numel(), x.device):
+            return matmul_nt(x, self.embedding.weight, torch.float32, reduce=True)
+        return x.float() @ (self.embedding.weight if weight is None else weight).float().T
+
+    def generate(self, tokens: Tensor, max_new_tokens: int = 64, **kwargs):
+        """Cached generation from left-padded prompts (B, P): new tokens (B, max_new_tokens); see
+        needle_torch.v2.generate.generate for the arguments and what else it can return."""
+        return generate_cached(self, tokens, max_new_tokens, **kwargs)
+
+    # ------------------------------------------------------------------ hidden states and heads
+
     def hidden_states(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
         """float32 (L, B, T, D): the lane mean after each layer (no x0, no final norm); default causal, no quant."""
         if mask is None:
@@ -508,7 +655,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
 
 
 __all__ = [
-    "Attention", "Block", "ConfidenceHead", "ContrastiveHead", "HadamardMLP", "MHCLayer", "SimpleAttentionNetwork",
-    "Stack", "TransformerConfig", "dot_product_attention", "make_window_mask", "probe_pool", "walsh_matrix",
-    "walsh_transform",
+    "Attention", "Block", "ConfidenceHead", "ContrastiveHead", "DecodeCache", "HadamardMLP", "MHCLayer",
+    "SimpleAttentionNetwork", "Stack", "TransformerConfig", "dot_product_attention", "make_decode_mask",
+    "make_window_mask", "probe_pool", "walsh_matrix", "walsh_transform", "write_kv",
 ]

@@ -237,9 +237,9 @@ def test_initialisers(tiny):
 def test_head_initialisers():
     cells = jnp.asarray(np.random.RandomState(8).randn(2, 5, 3, 64).astype(np.float32))
     keep = jnp.ones((2, 5))
-    c = flatten_tree(ContrastiveHead(64, 128).init(jax.random.key(1), cells, keep)["params"])
+    c = flatten_tree(jax.jit(ContrastiveHead(64, 128).init)(jax.random.key(1), cells, keep)["params"])
     assert c["log_temp"] == np.float32(math.log(0.07)) and c["proj/kernel"].shape == (4 * 64, 128)
-    k = flatten_tree(ConfidenceHead().init(jax.random.key(1), cells, keep)["params"])
+    k = flatten_tree(jax.jit(ConfidenceHead().init)(jax.random.key(1), cells, keep)["params"])
     np.testing.assert_array_equal(k["proj/bias"], 0)
     for p in (c["probes"], c["proj/kernel"], k["probes"], k["proj/kernel"]):
         assert abs(np.std(p) / 0.02 - 1) < 0.25  # N(0, 0.02): hundreds of draws at least
