@@ -109,8 +109,8 @@ def generate(model: nn.Module, src: Tensor, src_mask: Tensor | None = None, max_
     batch 1, a step then takes 2.4 ms instead of 10 ms in bfloat16 (benchmarks/bench_generate.py). Guards are
     checked on a request's first step only: later steps run under
     torch.compiler.set_stance(skip_guard_eval_unsafe), which is process-wide, so compiled generation is not for
-    concurrent threads. float32 logits stay within 1e-6 of eager; in bfloat16 inductor keeps some intermediates in float32, as XLA's jit does,
-    so logits move by up to ~1e-2 relative (2e-3 at the published size, 7e-3 on the fixtures, same tokens).
+    concurrent threads. float32 logits stay within 1e-6 of eager; in bfloat16 inductor keeps some
+    intermediates in float32, as XLA's jit does, so logits move by up to ~1e-2 relative (2e-3 at the published size, 7e-3 on the fixtures, same tokens).
     """
     src, src_mask, suppress, encoder_out = _prepare(model, src, src_mask, max_new_tokens, eos_token_id,
                                                     pad_token_id, suppress_tokens)
