@@ -30,11 +30,11 @@ def rms_unit(x, epsilon: float = RMS_EPS):
 def sinkhorn(logits, iters: int = SINKHORN_ITERS):
     """Doubly stochastic matrices over the last two axes, in log space: each iteration normalises the rows (last
     axis), then the columns; exp at the end."""
-    log_k = logits
-    for _ in range(iters):
+    def step(_, log_k):
         log_k = log_k - jax.nn.logsumexp(log_k, axis=-1, keepdims=True)
-        log_k = log_k - jax.nn.logsumexp(log_k, axis=-2, keepdims=True)
-    return jnp.exp(log_k)
+        return log_k - jax.nn.logsumexp(log_k, axis=-2, keepdims=True)
+
+    return jnp.exp(jax.lax.fori_loop(0, iters, step, logits))
 
 
 def lane_offsets(num_layers: int, lanes: int):
