@@ -112,13 +112,20 @@ def convert_command(
                        "default=2,embedding=4,attn.q_proj=3 (default: the checkpoint's weight_bits, else 4).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(
         "--tokenizer", help="A .cact DST's SentencePiece tokenizer (.model), stored as its RAW record.")] = None,
+    base: Annotated[Optional[str], typer.Option(
+        "--base", help="A LoRA adapter SRC's base checkpoint (an adapter is recognised from its content).")] = None,
+    merge: Annotated[bool, typer.Option(
+        "--merge", help="With an adapter: write the base with the adapter merged (upstream's rule) instead.")] = False,
+    allow_untrained: Annotated[bool, typer.Option(
+        "--allow-untrained", help="Accept an adapter whose B matrices are all zero (untrained).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary line.")] = False,
 ) -> None:
     """Convert a checkpoint between Flax, PyTorch and .cact formats, bit-exact unless --dtype casts (a .cact is
     quantised, and said to be lossy when read)."""
     r = commands.convert(Path(src), Path(dst), to=to, dtype=dtype, force=force, max_shard_size=max_shard_size,
                          config_path=Path(config) if config else None, progress=not quiet, bits=bits,
-                         tokenizer=Path(tokenizer) if tokenizer else None)
+                         tokenizer=Path(tokenizer) if tokenizer else None, base=Path(base) if base else None,
+                         merge=merge, allow_untrained=allow_untrained)
     if not quiet:
         typer.echo(f"wrote {r.dst} ({r.dst_format}) from {r.src_format}: {r.num_parameters:,} parameters, "
                    f"{r.dtype}, {r.num_bytes / 2**20:,.1f} MiB in {r.seconds:.2f}s")
@@ -140,6 +147,15 @@ def inspect_command(
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         raise typer.Exit(1 if info.get("lint") else 0)
+    if info.get("adapter"):
+        typer.echo(f"path:       {info['path']}\nformat:     {info['format']} (adapter, {info['family']})")
+        typer.echo(f"base:       {info['base']}\nrank:       {info['rank']}, scale {info['scale']:g} "
+                   f"(PEFT lora_alpha {info['lora_alpha']:g}), {info['layers']} layers")
+        for target, t in info["targets"].items():
+            typer.echo(f"  {target:<48} A {tuple(t['A'])}  B {tuple(t['B'])}  {t['dtype']}")
+        if info["untrained_targets"]:
+            typer.echo(f"untrained:  B is all zero in {', '.join(info['untrained_targets'])}")
+        return
     cfg = info["config"]
     typer.echo(f"path:       {info['path']}")
     typer.echo(f"format:     {info['format']}" + (f" ({info['layout']} layout)" if info["layout"] else ""))

@@ -14,7 +14,7 @@ from convert.errors import NeedleTwinError
 
 # Files a directory must hold for --force to delete it: only our own outputs are ever replaced.
 _OUR_DIRECTORY_MARKERS = ("config.json", "model.safetensors", "model.safetensors.index.json", "_CHECKPOINT_METADATA",
-                          "_METADATA")
+                          "_METADATA", "adapter_config.json")
 
 
 class OutputExistsError(NeedleTwinError):

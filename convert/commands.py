@@ -50,12 +50,22 @@ class ConvertResult:
 
 def convert(src: Path, dst: Path, *, to: str | None = None, dtype: str | None = None, force: bool = False,
             max_shard_size: str | None = None, config_path: Path | None = None, progress: bool = False,
-            bits: str | None = None, tokenizer: Path | None = None) -> ConvertResult:
+            bits: str | None = None, tokenizer: Path | None = None, base: Path | None = None, merge: bool = False,
+            allow_untrained: bool = False) -> ConvertResult:
     """Convert SRC to DST (format from DST's form and --to); strict, atomic, interruptible without leftovers.
 
     bits, tokenizer: a .cact output's quantisation (2, 3, 4, 1.58 or a bits map; None: the config's weight_bits,
-    else 4, as upstream's build) and its SentencePiece tokenizer record."""
+    else 4, as upstream's build) and its SentencePiece tokenizer record. An adapter SRC (recognised from its
+    content) needs its base checkpoint: DST is then an adapter (a .pkl: upstream's; else a PEFT directory), or
+    with merge the base with the adapter merged (any checkpoint format)."""
     start = time.perf_counter()
+    kind = registry.adapter_format(src)
+    if kind is not None:
+        return _convert_adapter(kind, src, dst, base, merge, allow_untrained, force, start, to=to, dtype=dtype,
+                                max_shard_size=max_shard_size, bits=bits, tokenizer=tokenizer)
+    if base is not None or merge or allow_untrained:
+        raise NeedleTwinError(f"{src} is a checkpoint, not an adapter: --base, --merge and --allow-untrained are for "
+                              "converting a LoRA adapter; drop them")
     fmt = io.infer_write_format(dst, to)
     source = io.open_source(src)
     config = io.resolve_config(source, _config_arg(config_path))
@@ -70,6 +80,37 @@ def convert(src: Path, dst: Path, *, to: str | None = None, dtype: str | None = 
     return ConvertResult(Path(src), Path(dst), source.format, fmt, len(source.tensors),
                          sum(t.size for t in source.tensors.values()), total, ",".join(dtypes),
                          time.perf_counter() - start, notes)
+
+
+def _convert_adapter(kind, src: Path, dst: Path, base: Path | None, merge: bool, allow_untrained: bool, force: bool,
+                     start: float, **checkpoint_options: Any) -> ConvertResult:
+    """An adapter SRC: checked against its base, written as an adapter, or merged into the base."""
+    if base is None:
+        raise NeedleTwinError(f"{src} is a LoRA adapter ({kind.name}); converting it needs its base checkpoint: add "
+                              "--base BASE")
+    if not merge and any(v is not None for v in checkpoint_options.values()):
+        raise NeedleTwinError("--to, --dtype, --max-shard-size, --bits and --tokenizer apply to checkpoints: with an "
+                              "adapter they need --merge (which writes the merged checkpoint)")
+    adapter = kind.read(src, allow_untrained=allow_untrained)
+    ckpt = io.read_checkpoint(base)
+    if ckpt.family.name != kind.family:
+        raise NeedleTwinError(f"{src} is a {registry.family_named(kind.family).title} adapter but --base {base} is a "
+                              f"{ckpt.family.title} checkpoint; give its own base")
+    kind.check(adapter, ckpt.params, ckpt.config)
+    with _terminate_as_interrupt():
+        if merge:
+            fmt = io.infer_write_format(dst, checkpoint_options["to"])
+            io.write_checkpoint(kind.merge(adapter, ckpt.params), ckpt.config, dst, format=fmt, force=force,
+                                dtype=checkpoint_options["dtype"], metadata=ckpt.metadata, extra=ckpt.extra,
+                                max_shard_size=checkpoint_options["max_shard_size"], bits=checkpoint_options["bits"],
+                                tokenizer=checkpoint_options["tokenizer"])
+            out_format = f"{fmt} (merged)"
+        else:
+            kind.write(adapter, ckpt.config, dst, base=str(base), force=force)
+            out_format = "upstream LoRA pickle" if Path(dst).suffix == ".pkl" else "PEFT adapter"
+    params = sum(math.prod(ab[k].shape) for ab in adapter.lora.values() for k in ("A", "B"))
+    return ConvertResult(Path(src), Path(dst), kind.name, out_format, 2 * len(adapter.lora), params,
+                         params * 4, "float32", time.perf_counter() - start)
 
 
 @contextlib.contextmanager
@@ -115,7 +156,11 @@ def _natural(name: str) -> list[Any]:
 
 def inspect(path: Path, config_path: Path | None = None) -> dict[str, Any]:
     """Everything a checkpoint says about itself, without converting it (tensor data is not read; a family's own
-    format adds its extras, e.g. a .cact's lint and the header the engine reads)."""
+    format adds its extras, e.g. a .cact's lint and the header the engine reads; an adapter is described as one)."""
+    kind = registry.adapter_format(path)
+    if kind is not None:
+        return {"path": str(path), "format": kind.name, "family": kind.family, "adapter": True,
+                **kind.describe(kind.read(path, allow_untrained=True))}
     fmt = io.detect_format(path)
     owned = registry.FORMATS.get(fmt)
     extras = owned.describe(Path(path)) if owned is not None and owned.describe is not None else {}

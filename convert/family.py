@@ -87,4 +87,20 @@ class FileFormat:
     describe: Callable[[Path], dict] | None = None  # `inspect`'s extras: {"lint": [problems], ...}, never raises
 
 
-__all__ = ["FLAX", "Family", "FileFormat"]
+@dataclass(frozen=True)
+class AdapterFormat:
+    """Fine-tuning adapters a family reads and writes (Needle 2's LoRA: upstream's pickle, PEFT directories).
+
+    An adapter is not a checkpoint: converting one needs its base (`needle-twin convert ADAPTER DST --base BASE`)."""
+
+    name: str
+    family: str
+    recognise: Callable[[Path], bool]  # from the file's content (never from its name alone)
+    read: Callable[..., Any]  # (path, allow_untrained=False) -> the adapter
+    describe: Callable[[Any], dict]  # -> `inspect`'s dict
+    check: Callable[[Any, Any, Any], None]  # (adapter, base params, base config): raises naming the mismatch
+    merge: Callable[[Any, Any], Any]  # (adapter, base params) -> merged params (upstream's rule)
+    write: Callable[..., Path]  # (adapter, config, dst, base=path-or-None, force=False) -> the written path
+
+
+__all__ = ["FLAX", "AdapterFormat", "Family", "FileFormat"]

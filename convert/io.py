@@ -284,12 +284,13 @@ def write_checkpoint(params: Mapping[str, Any], config: FamilyConfig, dst: str |
                      format: str | None = None, force: bool = False, dtype: str | None = None,
                      metadata: Mapping[str, str] | None = None, max_shard_size: int | str | None = None,
                      check_finite: bool = True, on_bytes: Callable[[int], None] | None = None,
-                     extra: Mapping[str, Any] | None = None) -> Path:
+                     extra: Mapping[str, Any] | None = None, **options: Any) -> Path:
     """Write an in-memory Flax tree in any writable format (atomically; never over dst without force).
 
     config: the family's config object (its class picks the family). metadata: extra safetensors metadata; keys
     the writer owns (config, hashes, versions) are recomputed. extra: upstream's other top-level entries (Needle 2:
-    step, run), written into a format-v2 pickle and kept by every other format.
+    step, run), written into a format-v2 pickle and kept by every other format. options: a family format's (a
+    .cact: bits, tokenizer).
     """
     if not isinstance(config, FamilyConfig):
         raise ConfigError(f"write_checkpoint needs a family config object (e.g. convert.v2.TransformerConfig), got "
@@ -297,7 +298,7 @@ def write_checkpoint(params: Mapping[str, Any], config: FamilyConfig, dst: str |
     source = source_from_tree(params)
     source.extra = dict(extra or {})
     return write_source(source, config, dst, format=format, force=force, dtype=dtype, metadata=metadata,
-                        max_shard_size=max_shard_size, check_finite=check_finite, on_bytes=on_bytes)
+                        max_shard_size=max_shard_size, check_finite=check_finite, on_bytes=on_bytes, **options)
 
 
 def write_source(source: Source, config: FamilyConfig, dst: str | Path, *, format: str | None = None,

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from convert.errors import CheckpointError, ConfigError
-from convert.family import Family, FileFormat
+from convert.family import AdapterFormat, Family, FileFormat
 from convert.rules import markdown, pattern
 from convert.v1.family import FAMILY as V1
 from convert.v2 import formats as v2_formats
@@ -17,6 +17,12 @@ from convert.v2.family import FAMILY as V2
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (V1, V2)}
 FORMATS: dict[str, FileFormat] = {f.name: f for f in (*v2_formats.FORMATS,)}  # the formats families own
+ADAPTERS: dict[str, AdapterFormat] = {f.name: f for f in (*v2_formats.ADAPTERS,)}
+
+
+def adapter_format(path) -> AdapterFormat | None:
+    """The adapter format a file or directory is, from its content; None for anything else (a checkpoint)."""
+    return next((f for f in ADAPTERS.values() if f.recognise(path)), None)
 
 
 def family_named(name: str) -> Family:

@@ -36,6 +36,10 @@ from convert.tensors import load_span
 _NUMERIC_KINDS = frozenset("biufc")
 
 
+class UnsafePickleError(CheckpointError):
+    """The pickle would run or build something beyond plain data: refused before anything is called."""
+
+
 class _NdarrayMarker:
     """Stands in for numpy.ndarray: only `_reconstruct` may use it, nobody may call it."""
 
@@ -252,7 +256,7 @@ class SafeUnpickler(pickle.Unpickler):
             return _stand_in(module, name)
         factory = _ALLOWED.get((module, name))
         if factory is None:
-            raise CheckpointError(
+            raise UnsafePickleError(
                 f"refusing to load: the pickle references the forbidden global {module}.{name}; "
                 "a checkpoint may only hold numpy arrays and plain dicts/lists/scalars (it may be malicious)"
             )
@@ -266,7 +270,7 @@ class SafeUnpickler(pickle.Unpickler):
         # Only the references `load_file` put in place of large payloads; a file's own ids are refused.
         if isinstance(pid, str) and pid in self._mapped:
             return self._mapped[pid]
-        raise CheckpointError("refusing to load: the pickle uses persistent ids (a torch or custom format?)")
+        raise UnsafePickleError("refusing to load: the pickle uses persistent ids (a torch or custom format?)")
 
 
 class BoundedReader(io.RawIOBase):
@@ -326,7 +330,7 @@ def _unpickle(unpickler: SafeUnpickler, what: str) -> Any:
     except RecursionError:
         raise CheckpointError(f"{what}: the pickle is nested too deeply to be a checkpoint") from None
     except CheckpointError as e:
-        raise CheckpointError(f"{what}: {e}") from None
+        raise type(e)(f"{what}: {e}") from None
     except EOFError:
         raise CheckpointError(f"{what}: the pickle is empty or truncated; re-copy or re-save the file") from None
     except (pickle.UnpicklingError, ValueError, TypeError, IndexError, KeyError, AttributeError,
@@ -396,7 +400,7 @@ def _rewrite(buf: memoryview, mapping: mmap.mmap, path: Path, lazy: bool) -> tup
         if op is None:
             raise CheckpointError(f"not a pickle: unknown opcode {code!r} at byte {start}")
         if op.name in ("PERSID", "BINPERSID"):
-            raise CheckpointError("refusing to load: the pickle uses persistent ids (a torch or custom format?)")
+            raise UnsafePickleError("refusing to load: the pickle uses persistent ids (a torch or custom format?)")
         if code in _PAYLOADS:
             width = _PAYLOADS[code]
             prefix = cursor.read(width)
@@ -445,7 +449,7 @@ def load_file(path: str | Path, what: str | None = None, *, lazy: bool = False) 
         try:
             stream, mapped = _rewrite(buf, mapping, path, lazy)
         except CheckpointError as e:
-            raise CheckpointError(f"{what}: {e}") from None
+            raise type(e)(f"{what}: {e}") from None
         except EOFError:
             raise CheckpointError(f"{what}: the pickle is truncated; re-copy or re-save the file") from None
     finally:

@@ -28,7 +28,7 @@ class Adapter:
     family: str
     flax_model: Callable[[Any], Any]  # config -> the Flax twin (a linen module)
     torch_model: Callable[[Any, Any, str], Any]  # (Flax tree, config, dtype name) -> the torch twin
-    probe_table: Callable[[Any], list]  # config -> [probes.Probe] in execution order
+    probe_table: Callable[[Any], list]  # twins -> [probes.Probe] in execution order
     flax_probes: Callable[..., dict]  # (twins, batch) -> {probe: numpy}
     torch_probes: Callable[..., dict]  # (twins, batch, substitute | None) -> {probe: numpy}
     flax_loss_and_grads: Callable[..., tuple]  # (twins, batch) -> (loss, {flax path: gradient})

@@ -103,7 +103,7 @@ def run_parity(config, flax_params: Mapping[str, Any], batch: Batch, *,
                               f"{dtype}; pick the {dtype} profile or drop --profile")
     with pinned_precision(pin_precision):
         twins = build_twins(adapter, config, flax_params, dtype, torch_params, torch_device_name, jax_platform)
-        table = adapter.probe_table(twins.config)
+        table = adapter.probe_table(twins)
         ref = adapter.flax_probes(twins, batch)
         test = adapter.torch_probes(twins, batch, ref if mode == "isolated" else None)
         results = compare_probes(table, test, ref)

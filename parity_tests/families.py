@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 from convert.registry import family_named, family_of
-from parity_tests import v1
+from parity_tests import v1, v2
 from parity_tests.adapter import Adapter
 from parity_tests.tolerances import Profile, get_profile
 
-ADAPTERS: dict[str, Adapter] = {a.family: a for a in (v1.ADAPTER,)}
+ADAPTERS: dict[str, Adapter] = {a.family: a for a in (v1.ADAPTER, v2.ADAPTER)}
 
 
 def adapter_named(name: str) -> Adapter:

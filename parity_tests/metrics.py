@@ -104,7 +104,20 @@ def topk_agreement(test_logits, ref_logits, k: int) -> float:
 
 
 def compare(test, ref) -> dict[str, float]:
-    """The metrics every probe reports."""
+    """The metrics every probe reports.
+
+    NaN where the reference has NaN is agreement, not error: upstream's probe pooling gives NaN for an all-pad row
+    on purpose, and a twin must do the same. So when both have NaN at exactly the same places, the metrics are
+    over the other elements (`nan_matched` counts them); NaN anywhere else gives NaN metrics, which never pass."""
+    a, b = _pair(test, ref)
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    if nan_a.any() or nan_b.any():
+        if not np.array_equal(nan_a, nan_b):
+            return {"max_abs": math.nan, "mean_abs": math.nan, "rel_l2": math.nan, "cosine": math.nan,
+                    "ref_max_abs": ref_max_abs(np.where(nan_b, 0.0, b)),
+                    "nan_mismatch": float(np.count_nonzero(nan_a ^ nan_b))}
+        keep = ~nan_b
+        return {**compare(a[keep], b[keep]), "nan_matched": float(np.count_nonzero(nan_b))}
     return {
         "max_abs": max_abs(test, ref),
         "mean_abs": mean_abs(test, ref),

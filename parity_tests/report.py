@@ -21,7 +21,7 @@ from parity_tests.tolerances import Profile, judge
 
 SCHEMA = "needle-twin/parity-report"
 SCHEMA_VERSION = 1
-CORE_METRICS = ("max_abs", "mean_abs", "rel_l2", "cosine", "ref_max_abs")
+CORE_METRICS = ("max_abs", "mean_abs", "rel_l2", "cosine", "ref_max_abs", "nan_matched", "nan_mismatch")
 LOGIT_METRICS = ("kl_mean", "kl_max", "top1", "top5")
 
 

@@ -10,10 +10,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from convert import safe_pickle
 from convert.errors import NeedleTwinError
-from convert.family import FileFormat
+from convert.family import AdapterFormat, FileFormat
 from convert.source import Source, source_from_tree
-from convert.v2 import cact
+from convert.v2 import cact, lora
 from convert.v2.bits import check_bits, format_bits_map
 from convert.v2.config import TransformerConfig
 
@@ -76,4 +77,30 @@ FORMATS = (FileFormat(
     options=("bits", "tokenizer"), describe=describe_cact,
     lossy="a .cact holds quantised weights: CQ tensors come back as reconstructions, the rest rounded to fp16, "
           "and it has no MTP head or log_temp",
+),)
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+
+
+def is_adapter(path: Path) -> bool:
+    """A PEFT adapter directory (adapter_config.json), or an upstream adapter pickle (a dict with a "lora" key)."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / "adapter_config.json").is_file()
+    try:
+        with open(path, "rb") as f:
+            if f.read(1) != b"\x80":  # a pickle of protocol 2+: upstream's pickle.dump
+                return False
+        obj = safe_pickle.load_file(path, lazy=True)  # large arrays stay in the file: a checkpoint costs a scan
+    except safe_pickle.UnsafePickleError:
+        raise  # a hostile file is named as such, whatever it claims to be
+    except (OSError, NeedleTwinError):
+        return False  # not ours to judge: the checkpoint readers name what is wrong with it
+    return isinstance(obj, dict) and "lora" in obj
+
+
+ADAPTERS = (AdapterFormat(
+    name="needle2-lora", family="v2", recognise=is_adapter, read=lora.read_adapter, describe=lora.describe,
+    check=lora.check_adapter, merge=lora.merged_params, write=lora.write_adapter,
 ),)

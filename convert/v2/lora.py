@@ -114,8 +114,8 @@ class Adapter:
 
 
 def peft_alpha(scale: float, rank: int) -> float:
-    """An alpha with alpha / rank == scale exactly, as PEFT divides (fl(scale · rank) misses in ~8 % of cases);
-    a round number when one works. Upstream's scales are alpha / rank, so such an alpha always exists for them;
+    """An alpha with alpha / rank == scale exactly, as PEFT divides (fl(scale · rank) misses for ~8 % of random
+    scales); a round number when one works. Upstream's scales are alpha / rank, so such an alpha always exists for them;
     for any other scale the nearest one is returned (a 1-ulp change)."""
     guess = scale * rank
     for alpha in (float(round(guess)), guess):
@@ -143,8 +143,8 @@ def _check(adapter: Adapter, what: str, allow_untrained: bool = False) -> Adapte
             or not math.isfinite(adapter.scale):
         raise CheckpointError(f"{what}: scale is {adapter.scale!r}; expected a finite number (lora_alpha / rank)")
     if not isinstance(adapter.base, str):
-        raise CheckpointError(f"{what}: base is a {type(adapter.base).__name__}; expected the base checkpoint's "
-                              "path as a string")
+        raise CheckpointError(f"{what}: base is of type {type(adapter.base).__name__}; expected the base "
+                              "checkpoint's path as a string")
     layers, zero = None, []
     for target, ab in adapter.lora.items():
         if target not in LORA_TARGETS:
@@ -278,7 +278,8 @@ def read_upstream_adapter(path: str | Path, *, allow_untrained: bool = False) ->
     """Read a `needle finetune` adapter pickle through the allowlist unpickler and check it (see `_check`)."""
     what = str(path)
     if not Path(path).is_file():
-        raise CheckpointError(f"{what}: no such adapter file")
+        raise CheckpointError(f"{what}: no such adapter file (upstream's adapter is one .pkl; a PEFT adapter is a "
+                              "directory: read it with read_peft)")
     obj = load_file(path, what)
     if not isinstance(obj, dict):
         raise CheckpointError(f"{what}: not a LoRA adapter (the pickle holds a {type(obj).__name__}); expected "
@@ -291,8 +292,8 @@ def read_upstream_adapter(path: str | Path, *, allow_untrained: bool = False) ->
         raise CheckpointError(f"{what}: not a LoRA adapter: missing key(s) {missing} (it has {sorted(map(str, obj))});"
                               " expected upstream's dict {lora, scale, base, rank} from `needle finetune`")
     if not isinstance(obj["lora"], dict):
-        raise CheckpointError(f"{what}: 'lora' is a {type(obj['lora']).__name__}; expected {{target path: "
-                              "{A, B}}}")
+        raise CheckpointError(f"{what}: 'lora' is a {type(obj['lora']).__name__}; expected a dict {{target path: "
+                              "{A, B}}")
     scale, rank = obj["scale"], obj["rank"]
     if isinstance(scale, (numbers.Real, np.floating)) and not isinstance(scale, bool):
         scale = float(scale)
@@ -453,9 +454,11 @@ def _peft_problem(config: Mapping[str, Any]) -> str | None:
         if config.get(key):
             return f"{why}, which upstream's W + scale·A@B cannot express"
     init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and (init.startswith(_BASE_REWRITING_INITS) or init == "mica"):
-        return (f"init_lora_weights={init!r} rewrites the base weights (or is a variant); convert it in PEFT first "
-                "(save_pretrained(path_initial_model_for_weight_conversion=...))")
+    if isinstance(init, str) and init.startswith(_BASE_REWRITING_INITS):
+        return (f"init_lora_weights={init!r} rewrites the base weights, so the adapter needs that rewritten base; "
+                "convert it in PEFT first (save_pretrained(path_initial_model_for_weight_conversion=...))")
+    if init == "mica":
+        return "init_lora_weights='mica' is a LoRA variant (MiCA) with its own forward"
     return None
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +127,18 @@ def walsh_matrix(size: int, dtype: torch.dtype = torch.float32, device=None) -> 
     return (h * torch.tensor(1 / math.sqrt(size), dtype=torch.float32)).to(dtype)
 
 
-_cached_walsh = lru_cache(maxsize=16)(walsh_matrix)  # fixed and read-only: built once per (P, dtype, device)
+_WALSH: dict[tuple, Tensor] = {}  # fixed and read-only: built once per (P, dtype, device)
+
+
+def _cached_walsh(size: int, dtype: torch.dtype, device) -> Tensor:
+    """walsh_matrix, built once per key. A plain dict rather than functools.lru_cache: torch.compile traces
+    through an lru_cache (rebuilding H inside every compiled step), but reads a tensor found in a dict as a
+    constant input; the eager prefill fills it before any compiled step runs."""
+    key = (size, dtype, torch.device(device))
+    if key not in _WALSH:
+        with torch.inference_mode(False):  # built under inference_mode it could never be saved for a backward pass
+            _WALSH[key] = walsh_matrix(size, dtype, device)
+    return _WALSH[key]
 
 
 def walsh_transform(x: Tensor) -> Tensor:

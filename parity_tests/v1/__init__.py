@@ -4,14 +4,13 @@ from convert.v1.config import SPECIAL_IDS
 from needle_flax.v1 import SimpleAttentionNetwork as FlaxModel
 from parity_tests.adapter import Adapter
 from parity_tests.v1 import inputs, runs
-from parity_tests.v1.probes import probe_table
 from parity_tests.v1.tolerances import BUDGETS
 
 ADAPTER = Adapter(
     family="v1",
     flax_model=FlaxModel,
     torch_model=runs.torch_model,
-    probe_table=probe_table,
+    probe_table=runs.table,
     flax_probes=runs.flax_probes,
     torch_probes=runs.torch_probes,
     flax_loss_and_grads=runs.flax_loss_and_grads,

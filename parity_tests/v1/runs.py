@@ -40,6 +40,10 @@ def torch_model(tree: Mapping[str, Any], config: TransformerConfig, dtype: str) 
     return TorchModel.from_flax(tree, config, dtype)
 
 
+def table(twins: Twins) -> list[probes.Probe]:
+    return probe_table(twins.config)
+
+
 # ----------------------------------------------------------------------------- probes
 
 

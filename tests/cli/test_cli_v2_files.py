@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from cli import app
 from convert import io
-from parity_tests.fixtures import DATA, V2_PKL, V2_SPM
+from parity_tests.fixtures import DATA, V2_LORA, V2_NPZ, V2_PKL, V2_SPM
+from parity_tests.metrics import max_rel
 from tests.convert_helpers import run_cli
 
 runner = CliRunner()
@@ -120,3 +122,69 @@ def test_diff_names_the_layer_that_differs(tmp_path):
     assert r.exit_code == 1
     line = next(x for x in r.output.splitlines() if "stack/layers/block/self_attn/q_proj/kernel" in x)
     assert "(layers 3)" in line and "1 elements differ" in line
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+
+
+def test_adapter_to_peft_and_back_through_the_cli(tmp_path):
+    from convert.v2 import lora
+
+    peft_dir, back = tmp_path / "peft", tmp_path / "back.pkl"
+    assert _invoke("convert", V2_LORA, peft_dir, "--base", V2_PKL).exit_code == 0
+    assert (peft_dir / "adapter_config.json").is_file() and (peft_dir / "adapter_model.safetensors").is_file()
+    assert _invoke("convert", peft_dir, back, "--base", V2_PKL).exit_code == 0
+    a, b = lora.read_upstream_adapter(V2_LORA), lora.read_upstream_adapter(back)
+    assert a.scale == b.scale and a.rank == b.rank and a.lora.keys() == b.lora.keys()
+    assert all(np.array_equal(a.lora[t][k], b.lora[t][k]) for t in a.lora for k in ("A", "B"))
+
+
+def test_merged_adapter_gives_upstreams_lora_logits(tmp_path):
+    """The goldens merge into the float32 widening of the float16 base, so the base is converted first (merging into
+    the float16 file itself sums in float16, as upstream's `needle build` does, and moves logits by ~1e-3)."""
+    import torch
+
+    from needle_torch.v2 import SimpleAttentionNetwork
+
+    base32, out = tmp_path / "base32.pkl", tmp_path / "merged.safetensors"
+    assert _invoke("convert", V2_PKL, base32, "--dtype", "float32").exit_code == 0
+    assert _invoke("convert", V2_LORA, out, "--base", base32, "--merge").exit_code == 0
+    with np.load(V2_NPZ) as z:
+        tokens, want = z["tokens"], z["f32/lora_logits"]
+    model = SimpleAttentionNetwork.from_pretrained(out)
+    with torch.inference_mode():
+        got = model(torch.from_numpy(tokens).long()).numpy()
+    assert max_rel(got, want) <= 1e-5  # float32 twin of upstream's merge: ~1e-6
+
+
+def test_inspect_an_adapter(tmp_path):
+    r = _invoke("inspect", V2_LORA)
+    assert r.exit_code == 0 and "rank:       4, scale 2" in r.output and "q_proj/kernel" in r.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    ((), "needs its base checkpoint: add --base BASE"),
+    (("--base", DATA / "needle-v1-tiny.pkl"), "Needle v1 (encoder-decoder) checkpoint; give its own base"),
+    (("--base", V2_PKL, "--bits", "4"), "they need --merge"),
+])
+def test_adapter_usage_errors(tmp_path, args, needle):
+    out = tmp_path / "out"
+    r = _invoke("convert", V2_LORA, out, *args)
+    assert r.exit_code == 2 and needle in r.output and not out.exists()
+
+
+def test_a_hostile_adapter_pickle_runs_nothing(tmp_path):
+    import pickle
+
+    from tests.convert_helpers import RunsCommand
+
+    marker, bad = tmp_path / "pwned", tmp_path / "bad.pkl"
+    bad.write_bytes(pickle.dumps({"lora": {"x": RunsCommand(marker)}, "scale": 2.0, "rank": 4, "base": "b"}))
+    r = run_cli("convert", bad, tmp_path / "out", "--base", V2_PKL)
+    assert r.returncode == 2 and "forbidden global" in r.stderr and not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoint_options_for_adapters_only_are_refused(tmp_path):
+    r = _invoke("convert", V2_PKL, tmp_path / "o.safetensors", "--base", V2_PKL)
+    assert r.exit_code == 2 and "not an adapter" in r.output

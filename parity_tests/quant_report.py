@@ -1,0 +1,506 @@
+"""The quantization-parity report: data, judging against thresholds, JSON round trip, re-scoring, terminal and HTML.
+
+`parity_tests.quant` computes it; this module only holds, judges and renders it, so a fresh
+run and a re-scored JSON are judged by one rule (`score`). The JSON schema is documented in
+parity_tests/QUANT_SCHEMA.md; `SCHEMA_VERSION` changes when it does.
+
+The verdict: passed unless a given threshold fails (`max_kld` on one KL statistic, by default
+the mean; `min_top1` on the same-top-1 rate). Without thresholds a report always passes: it
+describes the damage, it does not judge it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parity_tests.report import ReportError
+
+SCHEMA = "needle-twin/quant-report"
+SCHEMA_VERSION = 1
+KLD_STATS = ("mean", "stderr", "median", "p99", "p999", "max")
+JUDGED_KLD_STATS = ("mean", "median", "p99", "p999", "max")  # stderr is a spread, not a damage figure
+_REQUIRED = ("passed", "checks", "thresholds", "quantized", "positions", "kld", "same_top1", "rms_dp", "per_layer",
+             "per_tensor")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What the verdict checks (None: not checked): KL(p_float ‖ p_quant)'s `kld_stat` <= max_kld, and the
+    same-top-1 rate >= min_top1."""
+
+    max_kld: float | None = None
+    min_top1: float | None = None
+    kld_stat: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.kld_stat not in JUDGED_KLD_STATS:
+            raise ReportError(f"kld_stat {self.kld_stat!r} is not one of {', '.join(JUDGED_KLD_STATS)}")
+        for name, value, hi in (("max_kld", self.max_kld, math.inf), ("min_top1", self.min_top1, 1.0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 <= value <= hi):
+                raise ReportError(f"--{name.replace('_', '-')} {value!r} must be a number in [0, {hi:g}]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_kld": self.max_kld, "kld_stat": self.kld_stat, "min_top1": self.min_top1}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Thresholds:
+        return cls(d.get("max_kld"), d.get("min_top1"), d.get("kld_stat", "mean"))
+
+
+@dataclass
+class QuantReport:
+    """Float vs quantized model on the same inputs; every figure over real (non-pad) positions only."""
+
+    quantized: dict[str, Any]  # what the quantized model is: source (cact, bits, none), file or spec, LoRA, lossy
+    positions: dict[str, int]  # real, total
+    kld: dict[str, float | None]  # KL(p_float ‖ p_quant) per real position: mean, stderr, median, p99, p999, max
+    same_top1: float | None
+    top5: float | None
+    rms_dp: float | None
+    logits_max_rel: float | None
+    greedy: dict[str, Any] | None
+    per_layer: list[dict[str, Any]]
+    per_tensor: list[dict[str, Any]]
+    attribution: dict[str, Any]
+    inputs: dict[str, Any]
+    model: dict[str, Any]
+    environment: dict[str, Any]
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    passed: bool = True
+    notes: list[str] = field(default_factory=list)
+    # The arrays behind the figures (logits, lane states, greedy tokens); never written to JSON.
+    arrays: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    @property
+    def worst_layer(self) -> dict[str, Any] | None:
+        """The attribution unit whose quantization alone moves the logits most (None if none moves them)."""
+        rows = [r for r in self.per_layer if _num(r.get("kld_mean")) > 0]
+        return max(rows, key=lambda r: _num(r.get("kld_mean"))) if rows else None
+
+    @property
+    def worst_tensor(self) -> dict[str, Any] | None:
+        """The logits-path tensor with the lowest SQNR (None if every tensor is exact)."""
+        rows = [t for t in self.per_tensor if t.get("logits_path") and t.get("sqnr_db") is not None]
+        return min(rows, key=lambda t: t["sqnr_db"]) if rows else None
+
+    def to_dict(self) -> dict[str, Any]:
+        worst_layer, worst_tensor = self.worst_layer, self.worst_tensor
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "passed": self.passed,
+            "checks": _json_safe(self.checks),
+            "thresholds": self.thresholds.to_dict(),
+            "worst": {"layer": None if worst_layer is None else worst_layer["layer"],
+                      "tensor": None if worst_tensor is None else worst_tensor["name"]},
+            "quantized": _json_safe(self.quantized),
+            "positions": _json_safe(self.positions),
+            "kld": _json_safe(self.kld),
+            "same_top1": _finite(self.same_top1),
+            "top5": _finite(self.top5),
+            "rms_dp": _finite(self.rms_dp),
+            "logits_max_rel": _finite(self.logits_max_rel),
+            "greedy": _json_safe(self.greedy),
+            "per_layer": _json_safe(self.per_layer),
+            "per_tensor": _json_safe(self.per_tensor),
+            "attribution": _json_safe(self.attribution),
+            "inputs": _json_safe(self.inputs),
+            "model": _json_safe(self.model),
+            "environment": _json_safe(self.environment),
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QuantReport:
+        if d.get("schema") != SCHEMA:
+            raise ReportError(f"not a needle-twin quantization report (schema {d.get('schema')!r}); give a file "
+                              "written by `needle-twin quant --json`")
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise ReportError(f"quantization report schema version {d.get('schema_version')!r} is not "
+                              f"{SCHEMA_VERSION}; re-run `needle-twin quant` with this version")
+        missing = [k for k in _REQUIRED if k not in d]
+        if missing:
+            raise ReportError(f"quantization report lacks {', '.join(missing)}; the file may be truncated or edited; "
+                              "re-run `needle-twin quant --json`")
+        try:
+            return cls(
+                quantized=dict(d["quantized"]), positions=dict(d["positions"]), kld=dict(d["kld"]),
+                same_top1=d["same_top1"], top5=d.get("top5"), rms_dp=d["rms_dp"],
+                logits_max_rel=d.get("logits_max_rel"), greedy=d.get("greedy"),
+                per_layer=[dict(r) for r in d["per_layer"]], per_tensor=[dict(t) for t in d["per_tensor"]],
+                attribution=dict(d.get("attribution") or {}), inputs=dict(d.get("inputs") or {}),
+                model=dict(d.get("model") or {}), environment=dict(d.get("environment") or {}),
+                thresholds=Thresholds.from_dict(d["thresholds"]), checks=[dict(c) for c in d["checks"]],
+                passed=bool(d["passed"]), notes=[str(n) for n in d.get("notes", [])],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ReportError(f"quantization report has a malformed field ({e!s}); the file may be truncated or "
+                              "edited; re-run `needle-twin quant --json`") from None
+
+
+def _num(value: Any) -> float:
+    """A figure for sorting: null (non-finite) counts as the worst, i.e. +inf."""
+    return math.inf if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN/inf: a non-finite figure is written as null (and fails any threshold)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy scalar
+        value = value.item()
+    if hasattr(value, "tolist"):  # numpy array
+        return _json_safe(value.tolist())
+    return _finite(value)
+
+
+# ----------------------------------------------------------------------------- judging
+
+
+def score(report: QuantReport, thresholds: Thresholds) -> QuantReport:
+    """Judge the report's figures against `thresholds`; returns a new report (the figures are not touched).
+
+    A null (non-finite) figure fails every threshold it is checked against."""
+    checks = []
+    if thresholds.max_kld is not None:
+        value = report.kld.get(thresholds.kld_stat)
+        checks.append({"name": f"kld.{thresholds.kld_stat}", "value": value, "op": "<=",
+                       "threshold": thresholds.max_kld,
+                       "passed": value is not None and math.isfinite(value) and value <= thresholds.max_kld})
+    if thresholds.min_top1 is not None:
+        value = report.same_top1
+        checks.append({"name": "same_top1", "value": value, "op": ">=", "threshold": thresholds.min_top1,
+                       "passed": value is not None and math.isfinite(value) and value >= thresholds.min_top1})
+    return dataclasses.replace(report, thresholds=thresholds, checks=checks, passed=all(c["passed"] for c in checks))
+
+
+def rescore(report: QuantReport, max_kld: float | None = None, min_top1: float | None = None,
+            kld_stat: str = "mean") -> QuantReport:
+    """Re-judge a (saved) report against these thresholds, and only these, without running any model."""
+    out = score(report, Thresholds(max_kld, min_top1, kld_stat))
+    was = describe_thresholds(report.thresholds)
+    return dataclasses.replace(out, notes=[*report.notes, f"re-scored against {describe_thresholds(out.thresholds)} "
+                                                          f"(was {was})"])
+
+
+def describe_thresholds(t: Thresholds) -> str:
+    parts = []
+    if t.max_kld is not None:
+        parts.append(f"KL {t.kld_stat} <= {t.max_kld:g}")
+    if t.min_top1 is not None:
+        parts.append(f"same top-1 >= {t.min_top1:g}")
+    return " and ".join(parts) or "no thresholds"
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def to_json(report: QuantReport) -> str:
+    return json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
+
+
+def load_json(path: str | Path) -> QuantReport:
+    p = Path(path)
+    if not p.is_file():
+        raise ReportError(f"{p}: no such report; give the file written by `needle-twin quant --json`")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ReportError(f"{p} is not valid JSON ({e}); give the file written by `needle-twin quant --json`") \
+            from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{p} holds a JSON {type(data).__name__}, not a report object")
+    return QuantReport.from_dict(data)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def fmt(value: Any, kind: str = "e") -> str:
+    """A figure for people: 'e' 2.3e-04, 'pct' 67.4%, 'db' 12.3 dB (null SQNR: exact), 'f' 0.241."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "exact" if kind == "db" else "nan"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "db":
+        return f"{value:.1f} dB"
+    if kind == "f":
+        return f"{value:.3f}"
+    return f"{value:.2e}"
+
+
+def bits_text(bits: Any) -> str:
+    if isinstance(bits, (list, tuple)):
+        return "/".join(bits_text(b) for b in bits) or "-"
+    return "-" if bits is None else f"{bits:g}"
+
+
+def scheme_line(report: QuantReport) -> str:
+    q = report.quantized
+    if q.get("source") == "cact":
+        what = f".cact {q.get('cact')} (implied bits {q.get('bits_map') or 'default=4'})"
+    elif q.get("source") == "bits":
+        what = f"--bits {q.get('bits')}"
+    else:
+        what = str(q.get("source"))
+    lora = q.get("lora")
+    return what + (f" + LoRA {lora.get('path', '(in memory)')}" if lora else "")
+
+
+def headline(report: QuantReport) -> list[str]:
+    """The figures in a few plain lines (terminal and HTML)."""
+    k, pos = report.kld, report.positions
+    lines = [f"KL(p_float || p_quant) over {pos.get('real')} real positions (of {pos.get('total')}): mean "
+             f"{fmt(k.get('mean'))} ± {fmt(k.get('stderr'))}, median {fmt(k.get('median'))}, p99 {fmt(k.get('p99'))}, "
+             f"p99.9 {fmt(k.get('p999'))}, max {fmt(k.get('max'))}",
+             f"same top-1 {fmt(report.same_top1, 'pct')}, top-5 overlap {fmt(report.top5, 'pct')}, RMS Δp of the "
+             f"float top token {fmt(report.rms_dp)}, logits max|Δ|/max|float| {fmt(report.logits_max_rel)}"]
+    if report.greedy is not None:
+        lines.append(greedy_line(report.greedy))
+    return lines
+
+
+def greedy_line(g: Mapping[str, Any]) -> str:
+    firsts = ", ".join("-" if s is None else str(s) for s in g.get("first_divergence", []))
+    return (f"greedy, {g.get('steps')} steps from {g.get('rows')} prompts: {fmt(g.get('agree_fraction'), 'pct')} of "
+            f"steps agree before the first divergence; {g.get('rows_identical')}/{g.get('rows')} rows identical; "
+            f"first divergent step per row: [{firsts}] (- = none)")
+
+
+def worst_line(report: QuantReport) -> str:
+    layer, tensor = report.worst_layer, report.worst_tensor
+    a = ("worst layer: none (no layer alone moves the logits)" if layer is None else
+         f"worst layer: {layer['layer']} (KL mean {fmt(layer.get('kld_mean'))} when quantized alone, "
+         f"{fmt(layer.get('kld_share'), 'pct')} of the whole model's)")
+    b = ("worst tensor: none (every tensor exact)" if tensor is None else
+         f"worst tensor: {tensor['name']} ({bits_text(tensor.get('bits'))} bits, SQNR {fmt(tensor['sqnr_db'], 'db')})")
+    return f"{a}; {b}"
+
+
+def verdict_text(report: QuantReport) -> str:
+    if not report.checks:
+        return "REPORTED (no thresholds given)"
+    failed = [c for c in report.checks if not c["passed"]]
+    if not failed:
+        return f"QUANT PARITY HOLDS ({describe_thresholds(report.thresholds)})"
+    return "QUANT PARITY FAILED: " + "; ".join(
+        f"{c['name']} {fmt(c['value'])} not {c['op']} {c['threshold']:g}" for c in failed)
+
+
+def render_terminal(report: QuantReport, console=None, top_tensors: int = 8) -> None:
+    """Headline figures, a table per attribution unit, the worst tensors, notes and the verdict (rich)."""
+    from rich import box
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    # Plain lines, no auto-colouring, not re-wrapped (the terminal wraps them; a pipe keeps them whole).
+    say = lambda text: console.print(text, highlight=False, soft_wrap=True)  # noqa: E731
+    say(f"[bold]needle-twin quant[/] · {escape(scheme_line(report))} · {escape(str(report.environment.get('dtype')))}"
+        f" on {escape(str(report.environment.get('device')))}")
+    for line in headline(report):
+        say(escape(line))
+    worst_layer, worst_tensor = report.worst_layer, report.worst_tensor
+    table = Table(title="per layer: KL / top-1 with only this layer quantized (the rest float); state rel RMS with "
+                        "everything quantized", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    for col, justify in (("layer", "left"), ("bits", "right"), ("min SQNR", "right"), ("KL mean", "right"),
+                         ("share", "right"), ("top-1", "right"), ("state rRMS", "right"), ("", "left")):
+        table.add_column(col, justify=justify, no_wrap=True, min_width=len(col))
+    for r in report.per_layer:
+        worst = worst_layer is not None and r["layer"] == worst_layer["layer"]
+        table.add_row(r["layer"], bits_text(r.get("bits")), fmt(r.get("sqnr_db_min"), "db"), fmt(r.get("kld_mean")),
+                      fmt(r.get("kld_share"), "pct"), fmt(r.get("same_top1"), "pct"), fmt(r.get("state_rel_rms"), "f"),
+                      "WORST" if worst else "", style="bold red" if worst else None)
+    console.print(table)
+    tensors = sorted((t for t in report.per_tensor if t.get("logits_path")),  # lowest SQNR first, exact (null) last
+                     key=lambda t: (t.get("sqnr_db") is None, _num(t.get("sqnr_db"))))[:top_tensors]
+    if tensors:
+        t2 = Table(title=f"tensors with the lowest SQNR (worst {len(tensors)})", title_justify="left",
+                   header_style="bold", box=box.SIMPLE_HEAD)
+        for col, justify in (("tensor", "left"), ("layer", "left"), ("bits", "right"), ("SQNR", "right"),
+                             ("rel err", "right")):
+            t2.add_column(col, justify=justify, no_wrap=True)
+        for t in tensors:
+            worst = worst_tensor is not None and t["name"] == worst_tensor["name"]
+            t2.add_row(t["name"], str(t.get("layer")), bits_text(t.get("bits")), fmt(t.get("sqnr_db"), "db"),
+                       fmt(t.get("rel_err"), "f"), style="bold red" if worst else None)
+        console.print(t2)
+    say(escape(worst_line(report)))
+    for note in report.notes:
+        say(f"[dim]note: {escape(note)}[/]")
+    colour = "yellow" if not report.checks else ("green" if report.passed else "red")
+    say(f"[bold {colour}]{escape(verdict_text(report))}[/]")
+
+
+# ----------------------------------------------------------------------------- HTML
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1100px;color:#1d232a}
+h1{font-size:1.4em;margin:0 0 .3em} h2{font-size:1.1em;margin:1.6em 0 .5em}
+.verdict{display:inline-block;padding:.25em .7em;border-radius:4px;color:#fff;font-weight:600}
+.pass{background:#1a7f37} .fail{background:#cf222e} .info{background:#57606a}
+table{border-collapse:collapse;width:100%;font-size:12.5px}
+th,td{padding:3px 8px;border-bottom:1px solid #e3e6ea;text-align:right;white-space:nowrap}
+th{background:#f4f6f8} td.name,th.name{text-align:left;font-family:ui-monospace,Menlo,Consolas,monospace}
+tr.worst td{background:#cf222e;color:#fff;font-weight:600}
+pre{background:#f4f6f8;padding:8px;overflow:auto;font-size:12px} .muted{color:#57606a}
+svg text{font:10px ui-monospace,Menlo,Consolas,monospace;fill:#1d232a}
+"""
+_BITS_COLOURS = {1.58: "#8250df", 2: "#cf222e", 3: "#bc4c00", 4: "#0969da"}
+
+
+def _nice_ceiling(v: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 × 10^k that is >= v (1 for v <= 0): a linear axis with round ticks."""
+    if v <= 0:
+        return 1.0
+    base = 10.0 ** math.floor(math.log10(v))
+    return next(m * base for m in (1, 2, 2.5, 5, 10) if m * base >= v * (1 - 1e-12))
+
+
+def bar_svg(labels: Sequence[str], values: Sequence[float | None], *, title: str, log: bool, unit: str = "",
+            highlight: str | None = None, colours: Sequence[str] | None = None) -> str:
+    """A labelled bar chart as inline SVG (no xmlns, so the page holds no URL): a log10 axis when `log` (zeros
+    and nulls sit on the bottom edge), else linear from 0. `highlight` names the bar drawn in red."""
+    n = max(len(labels), 1)
+    step = max(14, min(40, 900 // n))
+    left, right, top, plot_h, bottom = 64, 20, 28, 200, 130
+    width = max(720, left + right + step * n)
+    height = top + plot_h + bottom
+    finite = [v for v in values if v is not None and math.isfinite(v) and (v > 0 or not log)]
+    if log:
+        pos = [v for v in finite if v > 0]
+        lo = math.floor(math.log10(min(pos))) if pos else -6
+        hi = math.ceil(math.log10(max(pos))) if pos else 0
+        hi = max(hi, lo + 1)
+    else:
+        lo, hi = 0.0, _nice_ceiling(max([*finite, 0.0]))
+
+    def y(v: float | None) -> float:
+        if v is None or not math.isfinite(v):
+            return float(top + plot_h)
+        if log:
+            if v <= 0:
+                return float(top + plot_h)
+            return top + plot_h * (hi - math.log10(v)) / (hi - lo)
+        return top + plot_h * (hi - max(v, 0.0)) / (hi - lo)
+
+    out = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+           f'aria-label="{html.escape(title)}">',
+           f'<text x="{left}" y="{top - 10}">{html.escape(title)}</text>',
+           f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{plot_h}" fill="#fafbfc" '
+           'stroke="#d0d7de"/>']
+    ticks = [10.0 ** d for d in range(lo, hi + 1)] if log else [hi * k / 4 for k in range(5)]
+    for t in ticks:
+        yy = y(t)
+        label = f"1e{round(math.log10(t))}" if log else f"{t:.3g}"
+        out.append(f'<line x1="{left}" x2="{width - right}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#eaeef2"/>')
+        out.append(f'<text x="{left - 6}" y="{yy + 3:.1f}" text-anchor="end">{label}{html.escape(unit)}</text>')
+    for i, (label, v) in enumerate(zip(labels, values, strict=True)):
+        x0 = left + step * i + 2
+        yy = y(v)
+        colour = "#cf222e" if label == highlight else (colours[i] if colours else "#0969da")
+        shown = "null" if v is None else f"{v:.4g}"
+        out.append(f'<rect x="{x0:.1f}" y="{yy:.1f}" width="{step - 4}" height="{top + plot_h - yy:.1f}" '
+                   f'fill="{colour}"><title>{html.escape(label)}: {shown}{html.escape(unit)}</title></rect>')
+        xc = x0 + (step - 4) / 2
+        out.append(f'<text transform="translate({xc:.1f},{top + plot_h + 8}) rotate(60)">{html.escape(label)}'
+                   "</text>")
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]], worst: int | None = None) -> str:
+    th = "".join(f'<th class="name">{html.escape(h)}</th>' if i == 0 else f"<th>{html.escape(h)}</th>"
+                 for i, h in enumerate(head))
+    body = []
+    for j, row in enumerate(rows):
+        cells = "".join(f'<td class="name">{html.escape(c)}</td>' if i == 0 else f"<td>{html.escape(c)}</td>"
+                        for i, c in enumerate(row))
+        body.append(f'<tr class="{"worst" if j == worst else ""}">{cells}</tr>')
+    return "<table><tr>" + th + "</tr>\n" + "\n".join(body) + "</table>"
+
+
+def render_html(report: QuantReport) -> str:
+    """A self-contained page: inline CSS and SVG plots, no scripts, no external references."""
+    if not report.checks:
+        badge = '<span class="verdict info">REPORTED</span>'
+    else:
+        badge = (f'<span class="verdict {"pass" if report.passed else "fail"}">'
+                 f'{"PASS" if report.passed else "FAIL"}</span>')
+    worst_layer, worst_tensor = report.worst_layer, report.worst_tensor
+    rows = report.per_layer
+    labels = [r["layer"] for r in rows]
+    highlight = None if worst_layer is None else worst_layer["layer"]
+    layer_rows = [[r["layer"], str(len(r.get("tensors", []))), bits_text(r.get("bits")),
+                   fmt(r.get("sqnr_db_min"), "db"), fmt(r.get("kld_mean")), fmt(r.get("kld_share"), "pct"),
+                   fmt(r.get("kld_p99")), fmt(r.get("kld_max")), fmt(r.get("same_top1"), "pct"), fmt(r.get("rms_dp")),
+                   str(r.get("state", "")), fmt(r.get("state_rel_rms"), "f"), fmt(r.get("state_cos"), "f")]
+                  for r in rows]
+    worst_row = None if highlight is None else labels.index(highlight)
+    tensors = report.per_tensor
+    path_tensors = [t for t in tensors if t.get("logits_path")]
+    tensor_rows = [[t["name"], str(t.get("layer")), bits_text(t.get("bits")), fmt(t.get("sqnr_db"), "db"),
+                    fmt(t.get("rel_err"), "f"), f"{t.get('numel', 0):,}", "yes" if t.get("logits_path") else "no"]
+                   for t in tensors]
+    worst_t = None if worst_tensor is None else next(i for i, t in enumerate(tensors) if t is worst_tensor)
+    q = report.quantized
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>needle-twin quant: {html.escape(scheme_line(report))}</title><style>{_CSS}</style></head><body>",
+        f"<h1>needle-twin quant {badge}</h1>",
+        f'<p class="muted">{html.escape(scheme_line(report))} · {html.escape(str(report.environment.get("dtype")))} · '
+        f"{html.escape(verdict_text(report))}</p>",
+        "<h2>Figures</h2>", "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in headline(report)) + "</ul>",
+        f"<p><b>{html.escape(worst_line(report))}</b></p>",
+        "<h2>Per layer</h2>",
+        bar_svg(labels, [r.get("kld_mean") for r in rows], log=True, highlight=highlight,
+                title="KL mean of the final logits when only this layer is quantized (log scale)"),
+        bar_svg(labels, [r.get("state_rel_rms") for r in rows], log=False, highlight=None,
+                title="state rel RMS, everything quantized (lanes after a layer; x0; an engram site's value)"),
+        _table(("layer", "tensors", "bits", "min SQNR", "KL mean alone", "share", "KL p99 alone", "KL max alone",
+                "top-1 alone", "RMS Δp alone", "state", "state rel RMS", "state cos"), layer_rows, worst_row),
+        "<h2>Per tensor</h2>",
+        bar_svg([t["name"] for t in path_tensors], [t.get("sqnr_db") for t in path_tensors], log=False, unit=" dB",
+                highlight=None if worst_tensor is None else worst_tensor["name"],
+                colours=[_BITS_COLOURS.get(t.get("bits"), "#57606a") for t in path_tensors],
+                title="SQNR per tensor on the logits path (colour: bits; red: the worst)"),
+        _table(("tensor", "layer", "bits", "SQNR", "rel err", "elements", "logits path"), tensor_rows, worst_t),
+    ]
+    if report.greedy is not None:
+        parts += ["<h2>Greedy decoding</h2>", f"<p>{html.escape(greedy_line(report.greedy))}</p>"]
+    parts += ["<h2>Quantized model</h2>", f"<pre>{html.escape(json.dumps(_json_safe(q), indent=1))}</pre>",
+              "<h2>Inputs</h2>", f"<pre>{html.escape(json.dumps(_json_safe(report.inputs), indent=1))}</pre>",
+              "<h2>Model</h2>", f"<pre>{html.escape(json.dumps(_json_safe(report.model), indent=1))}</pre>",
+              "<h2>Environment</h2>", f"<pre>{html.escape(json.dumps(_json_safe(report.environment), indent=1))}</pre>"]
+    if report.notes:
+        parts += ["<h2>Notes</h2>", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>"]
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+__all__ = [
+    "KLD_STATS", "SCHEMA", "SCHEMA_VERSION", "QuantReport", "ReportError", "Thresholds", "load_json", "render_html",
+    "render_terminal", "rescore", "score", "to_json",
+]

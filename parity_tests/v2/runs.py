@@ -1,0 +1,155 @@
+"""Needle 2's runs for the parity engine: both twins' probes pass by pass, and the training loss.
+
+Every pass uses the mask of a right-padded batch, causal ∧ padding (what hidden_cells and the heads build
+themselves), so pads never reach a real position and each pass's lanes are the same in both twins.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from convert.errors import NeedleTwinError
+from convert.rules import TORCH
+from convert.trees import flatten_tree
+from convert.v2.config import TransformerConfig
+from convert.v2.family import FAMILY
+from needle_flax import layers as flax_layers
+from needle_flax.v2 import SimpleAttentionNetwork as FlaxModel
+from needle_torch import layers as torch_layers
+from needle_torch.v2 import SimpleAttentionNetwork as TorchModel
+from parity_tests import probes
+from parity_tests.inputs import Batch
+from parity_tests.twins import Twins
+from parity_tests.v2.probes import DEFAULT_PASSES, probe_table
+
+
+def torch_model(tree: Mapping[str, Any], config: TransformerConfig, dtype: str) -> TorchModel:
+    return TorchModel.from_flax(tree, config, dtype)
+
+
+def groups(twins: Twins) -> tuple[str, ...]:
+    """The optional groups both twins hold (the torch twin was built from the tree, so it has exactly those)."""
+    return FAMILY.groups_in(twins.torch_model.state_dict(), TORCH, twins.config)
+
+
+def table(twins: Twins, passes=DEFAULT_PASSES) -> list[probes.Probe]:
+    return probe_table(twins.config, groups(twins), passes)
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+@functools.lru_cache(maxsize=16)
+def _flax_passes(config: TransformerConfig, passes: tuple[str, ...], mtp: bool):
+    """jit(params, tokens) -> {pass: intermediates}; the cells pass adds its return value as "hidden_cells"."""
+    model, pad = FlaxModel(config), config.pad_token_id
+    mutable = [flax_layers.PROBES]
+
+    def run(params, tokens):
+        mask = flax_layers.make_attention_mask(tokens, pad)
+        out = {}
+        for name in passes:
+            if name in ("forward", "quant"):
+                _, col = model.apply({"params": params}, tokens, mask, name == "quant", mtp and name == "forward",
+                                     mutable=mutable)
+            elif name == "cells":
+                cells, col = model.apply({"params": params}, tokens, method="hidden_cells", mutable=mutable)
+                col = {flax_layers.PROBES: {**col[flax_layers.PROBES], "hidden_cells": (cells,)}}
+            else:
+                method = "encode_contrastive" if name == "contrastive" else "forward_confidence"
+                _, col = model.apply({"params": params}, tokens, method=method, mutable=mutable)
+            out[name] = col[flax_layers.PROBES]
+        return out
+
+    return jax.jit(run)
+
+
+def _passes(twins: Twins, table: list[probes.Probe]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(p.pass_ for p in table))
+
+
+def flax_probes(twins: Twins, batch: Batch, passes=DEFAULT_PASSES) -> dict[str, np.ndarray]:
+    """Every probe of the Flax twin, one jitted function over the passes."""
+    probe_list = table(twins, passes)
+    run = _flax_passes(twins.config, _passes(twins, probe_list), "mtp" in groups(twins))
+    collections = jax.device_get(run(twins.flax_params, twins.to_jax(batch.tokens)))
+    return probes.flax_probes(probe_list, collections)
+
+
+def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray] | None = None,
+                 passes=DEFAULT_PASSES) -> dict[str, np.ndarray]:
+    """Every probe of the torch twin, pass by pass; with `substitute`, boundary outputs take those values."""
+    model, probe_list = twins.torch_model, table(twins, passes)
+    tokens = torch.from_numpy(batch.tokens).long().to(twins.torch_device)
+    mask = torch_layers.make_attention_mask(tokens, twins.config.pad_token_id)
+    mtp = "mtp" in groups(twins)
+    calls = {"forward": lambda: model(tokens, mask, False, mtp), "quant": lambda: model(tokens, mask, True),
+             "cells": lambda: model.hidden_cells(tokens), "contrastive": lambda: model.encode_contrastive(tokens),
+             "confidence": lambda: model.forward_confidence(tokens)}
+    out: dict[str, np.ndarray] = {}
+    with torch.inference_mode():
+        for name in _passes(twins, probe_list):
+            hooked = [p for p in probe_list if p.pass_ == name and p.torch]
+            subs = None if substitute is None else {p.name: twins.to_torch(substitute[p.name])
+                                                    for p in hooked if p.boundary}
+            with probes.torch_capture(model, hooked, subs) as captured:
+                value = calls[name]()
+            out.update({k: t.float().cpu().numpy() for k, t in captured.items()})
+            if name == "cells":
+                out["hidden_cells"] = value.float().cpu().numpy()
+    return out
+
+
+# ----------------------------------------------------------------------------- loss
+
+# Upstream's fine-tuning objective (NEEDLE_V2.md §7.2, §8): next-token cross-entropy over the target tokens, on
+# `model.apply(params, tokens)` with its default (causal) mask. A random batch has no prompt/target split, so every
+# real label is a target: weights = 1 where the label is not padding.
+
+
+def loss_arrays(batch: Batch, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(inputs (B, T-1), labels (B, T-1), weights (B, T-1) float32)."""
+    tokens = batch.tokens
+    if tokens.shape[1] < 2:
+        raise NeedleTwinError(f"gradient parity needs --seq-len >= 2 (inputs and next-token labels), got "
+                              f"{tokens.shape[1]}")
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    return inputs, labels, (labels != pad_id).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _flax_value_and_grad(config: TransformerConfig):
+    model = FlaxModel(config)
+
+    def loss_fn(params, inputs, labels, weights):
+        logits = model.apply({"params": params}, inputs)  # (B, T-1, V) float32, causal mask (upstream's default)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]  # (B, T-1)
+        return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+    return jax.jit(jax.value_and_grad(loss_fn))
+
+
+def flax_loss_and_grads(twins: Twins, batch: Batch) -> tuple[float, dict[str, np.ndarray]]:
+    inputs, labels, weights = loss_arrays(batch, twins.config.pad_token_id)
+    loss, grads = _flax_value_and_grad(twins.config)(twins.flax_params, *(twins.to_jax(a) for a in
+                                                                          (inputs, labels, weights)))
+    flat = {k: np.asarray(v) for k, v in flatten_tree(jax.device_get(grads)).items()}
+    # Parameters the LM loss never reaches (the heads; MTP when not asked for) get no gradient in jax either.
+    return float(loss), flat
+
+
+def torch_loss(twins: Twins, batch: Batch) -> torch.Tensor:
+    inputs, labels, weights = (torch.from_numpy(np.ascontiguousarray(a)).to(twins.torch_device)
+                               for a in loss_arrays(batch, twins.config.pad_token_id))
+    logits = twins.torch_model(inputs.long())  # causal mask by default, as upstream's __call__
+    nll = F.cross_entropy(logits.transpose(1, 2), labels.long(), reduction="none")  # (B, T-1)
+    return (nll * weights).sum() / weights.sum().clamp(min=1.0)
