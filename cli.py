@@ -313,6 +313,9 @@ def parity_command(
     suppress_special: Annotated[Optional[bool], typer.Option(
         "--suppress-special/--allow-special", help="Keep greedy generation off ids 0..5 (default: only for the "
                                                    "embedded random model, which would stop at EOS at once).")] = None,
+    lora: Annotated[Optional[str], typer.Option(
+        "--lora", help="Needle 2: a LoRA adapter (pickle or PEFT dir) for the checkpoint; compare its A/B gradients "
+                       "(Flax: upstream's merge in the loss; torch: PEFT).")] = None,
     quiet: Annotated[bool, _QUIET] = False,
     profile: Annotated[Optional[str], _PROFILE] = None,
     rtol: Annotated[Optional[float], _RTOL] = None,
@@ -334,7 +337,7 @@ def parity_command(
         tools=tools, json_path=json_path,
         html_path=html_path, force=force, torch_device=torch_device, jax_platform=jax_platform,
         pin_precision=precision == "highest", grads=grads, generate=generate, suppress_special=suppress_special,
-        overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
+        overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol), lora=lora)
     _show_report(report, quiet)
 
 

@@ -38,5 +38,6 @@ class Adapter:
     token_file: Callable[..., Any]  # (path, config, seed, **lengths) -> inputs.Batch
     text_batch: Callable[..., Any]  # (tokenizer path, queries, tools, config, seed, **lengths) -> inputs.Batch
     budgets: Mapping[str, Budgets]  # compute dtype -> budgets
+    lora_gradients: Callable[..., Any] | None = None  # (twins, batch, adapter) -> GradientResult of its A/B
     special_ids: Sequence[int] = ()  # ids greedy decoding of a random model is kept off (it would stop at once)
     lengths: Mapping[str, int] = field(default_factory=dict)  # the random batch's default lengths by option

@@ -18,7 +18,7 @@ from convert.errors import ConfigError, ConfigMismatchError, NeedleTwinError
 from convert.fields import DTYPES
 from convert.io import read_checkpoint
 from convert.mapping import random_flax_params
-from convert.registry import FAMILIES, family_named
+from convert.registry import FAMILIES, adapter_format, family_named
 from parity_tests.adapter import Adapter
 from parity_tests.devices import JAX_PLATFORMS
 from parity_tests.engine import MODES, run_parity
@@ -134,12 +134,13 @@ def parity(flax_ckpt: str | None = None, *, torch_ckpt: str | None = None, famil
            tokenizer: str | None = None, queries: Sequence[str] = (), tools: str = "", json_path: str | None = None,
            html_path: str | None = None, force: bool = False, torch_device: str = "cpu", jax_platform: str = "cpu",
            pin_precision: bool = True, grads: bool = True, generate: int = 8, suppress_special: bool | None = None,
-           overrides: Overrides = Overrides()) -> Report:
+           overrides: Overrides = Overrides(), lora: str | None = None) -> Report:
     """Load, run the engine, write the requested files; returns the judged report.
 
     Defaults are the CLI's (gradients on, 8 greedy steps). suppress_special: keep greedy generation off the
     family's special ids; None = only for the embedded random model, whose tied output otherwise echoes the fed
-    token (EOS) and stops at step 0.
+    token (EOS) and stops at step 0. lora: an adapter file or PEFT directory for the checkpoint: its A/B gradients
+    (Flax: upstream's merge inside the loss; torch: PEFT) are compared too.
     """
     check_choice("--dtype", dtype, DTYPES)
     check_choice("--mode", mode, MODES)
@@ -152,6 +153,17 @@ def parity(flax_ckpt: str | None = None, *, torch_ckpt: str | None = None, famil
     select_jax_platform(jax_platform)
     config, flax_params, torch_params, info = load_models(flax_ckpt, torch_ckpt, family)
     adapter = adapter_of(config)
+    lora_adapter = None
+    if lora is not None:
+        kind = adapter_format(lora)
+        if kind is None:
+            raise NeedleTwinError(f"--lora {lora}: not a LoRA adapter (an upstream adapter pickle or a PEFT directory)")
+        if kind.family != adapter.family:
+            raise NeedleTwinError(f"--lora {lora} is a {family_named(kind.family).title} adapter; the model is "
+                                  f"{family_named(adapter.family).title}")
+        lora_adapter = kind.read(lora)
+        kind.check(lora_adapter, flax_params, config)
+        info["lora"] = str(lora)
     profile = overrides.apply(get_profile(adapter.budgets, dtype, device_class(torch_device, jax_platform)),
                               adapter.budgets)
     if profile.dtype != dtype:
@@ -168,7 +180,7 @@ def parity(flax_ckpt: str | None = None, *, torch_ckpt: str | None = None, famil
                         profile=profile, torch_device_name=torch_device, jax_platform=jax_platform,
                         pin_precision=pin_precision, grads=grads, generate=generate,
                         suppress_tokens=adapter.special_ids if suppress_special else None, model_info=info,
-                        seeds=seeds)
+                        seeds=seeds, lora=lora_adapter)
     write_outputs(report, json_path, html_path, force)
     return report
 

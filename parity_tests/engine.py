@@ -86,13 +86,14 @@ def run_parity(config, flax_params: Mapping[str, Any], batch: Batch, *,
                profile: Profile | None = None, torch_device_name: str = "cpu", jax_platform: str = "cpu",
                pin_precision: bool = True, grads: bool = True, generate: int = 8,
                suppress_tokens: Sequence[int] | None = None, model_info: Mapping[str, Any] | None = None,
-               seeds: Mapping[str, Any] | None = None) -> Report:
+               seeds: Mapping[str, Any] | None = None, lora: Any = None) -> Report:
     """Compare the twins probe by probe (and gradients and greedy generation); a judged Report.
 
     config: the family's config (its class picks the adapter). flax_params / torch_params: nested upstream
     Flax trees of numpy arrays (torch_params: a torch checkpoint already mapped to the Flax layout; None =
     convert flax_params in memory). grads and generate default to what `needle-twin parity` does: gradients
-    on, 8 greedy steps (0 = none); suppress_tokens: ids greedy decoding may not pick.
+    on, 8 greedy steps (0 = none); suppress_tokens: ids greedy decoding may not pick. lora: an adapter (a family
+    with LoRA, Needle 2): its A/B gradients are compared too (flax_params is the base; the probes run the base).
     """
     if mode not in MODES:
         raise NeedleTwinError(f"--mode {mode!r} is not one of {', '.join(MODES)}")
@@ -108,6 +109,11 @@ def run_parity(config, flax_params: Mapping[str, Any], batch: Batch, *,
         test = adapter.torch_probes(twins, batch, ref if mode == "isolated" else None)
         results = compare_probes(table, test, ref)
         gradients = gradient_parity(twins, batch) if grads else None
+        lora_gradients = None
+        if lora is not None:
+            if adapter.lora_gradients is None:
+                raise NeedleTwinError(f"the {adapter.family} family has no LoRA adapters; drop --lora")
+            lora_gradients = adapter.lora_gradients(twins, batch, lora)
         generation = None
         if generate and adapter.generation is not None:
             generation = adapter.generation(twins, batch, generate, suppress_tokens)
@@ -116,7 +122,7 @@ def run_parity(config, flax_params: Mapping[str, Any], batch: Batch, *,
     model = {"family": adapter.family, "config": config.to_dict(), **(model_info or {})}
     report = Report(mode=mode, dtype=dtype, num_params=count_params(flax_params), profile=profile, probes=results,
                     inputs=batch.describe(config.pad_token_id), model=model, environment=env, gradients=gradients,
-                    generation=generation)
+                    generation=generation, lora_gradients=lora_gradients)
     report = score(report, profile)
     if mode == "propagated" and report.first_divergence is not None:
         report.notes.append("propagated errors include drift from every earlier stage; --mode isolated feeds each "

@@ -421,16 +421,119 @@ def _unit_order(config: TransformerConfig, units: Sequence[str]) -> list[str]:
     return order + sorted(u for u in units if u not in order)
 
 
+def _unit_kind(unit: str) -> tuple[str, int | None]:
+    """("layer", 3) for layer03, ("engram", 0) for engram0, (name, None) otherwise."""
+    m = re.fullmatch(r"(layer|engram)(\d+)", unit)
+    return (m[1], int(m[2])) if m else (unit, None)
+
+
 def _unit_state(unit: str, caps: Mapping[str, np.ndarray]) -> tuple[str, np.ndarray | None]:
-    if unit == "embedding":
+    """What a unit's output state is, and its captured value (None: no capture point for it)."""
+    kind, index = _unit_kind(unit)
+    if kind == "embedding":
         return "x0 = embedding(tokens)·√D", caps["embed"]
-    if unit.startswith("layer"):
-        return f"lanes after layer {int(unit[5:])}", caps[f"state.{int(unit[5:])}"]
-    if unit.startswith("engram"):
-        return f"engram site {int(unit[6:])} value", caps["engram_v"][int(unit[6:])]
-    if unit == "final_norm":
+    if kind == "layer":
+        return f"lanes after layer {index}", caps[f"state.{index}"]
+    if kind == "engram":
+        return f"engram site {index} value", caps["engram_v"][index]
+    if kind == "final_norm":
         return "final hidden (after final_norm)", caps["final_hidden"]
     return unit, None
+
+
+def tensor_table(float_params: Mapping[str, Any], quantized: Quantized, config: TransformerConfig
+                 ) -> list[dict[str, Any]]:
+    """Every CQ tensor (per layer slice of a stacked leaf): its unit, bits, SQNR and relative error, model order."""
+    stacked = stacked_paths(config)
+    f_flat, q_flat = flatten_tree(float_params), flatten_tree(quantized.params)
+    rows = []
+    for path in quantized.cq_paths:
+        for (i, w), (_, q) in zip(_slices(f_flat, path, stacked), _slices(q_flat, path, stacked), strict=True):
+            name = tensor_name(path, i)
+            w64 = np.asarray(w, np.float64)
+            norm, err = float(np.linalg.norm(w64)), float(np.linalg.norm(w64 - q))
+            rows.append({"name": name, "param": path, "layer": unit_of(path, i), "bits": quantized.widths.get(name),
+                         "sqnr_db": sqnr_db(w, q), "rel_err": err / norm if norm else (0.0 if err == 0 else None),
+                         "numel": int(np.size(w)), "logits_path": path.startswith(LOGITS_PATH)})
+    order = {u: i for i, u in enumerate(_unit_order(config, [r["layer"] for r in rows if r["layer"]]))}
+    return sorted(rows, key=lambda r: order.get(r["layer"], len(order)))  # stable: model order within a unit
+
+
+def torch_index(config: TransformerConfig) -> dict[str, tuple[str, int | None]]:
+    """torch state_dict name -> (Flax path, layer index or None), from the mapping rules."""
+    table = FAMILY.table(config)
+    out = {}
+    for rule in table.rules:
+        n = table.layers(rule)
+        for i in range(n) if n is not None else (None,):
+            out[rule.torch if i is None else rule.torch.format(i=i)] = (rule.flax, i)
+    return out
+
+
+def unit_members(f_state: Mapping[str, np.ndarray], q_state: Mapping[str, np.ndarray], config: TransformerConfig
+                 ) -> dict[str, list[str]]:
+    """{unit: the torch names of its logits-path parameters that differ between the two state dicts}."""
+    where = torch_index(config)
+    members: dict[str, list[str]] = {}
+    for key, arr in q_state.items():
+        unit = unit_of(*where[key])
+        if unit is not None and not np.array_equal(arr, f_state[key]):
+            members.setdefault(unit, []).append(key)
+    return members
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One batch through both models: what the attribution compares against."""
+
+    model: SimpleAttentionNetwork  # the float model, whose parameters the attribution swaps
+    tokens: torch.Tensor
+    real: np.ndarray  # (B, T) bool
+    float_logits: np.ndarray
+    quant_logits: np.ndarray
+    float_caps: dict[str, np.ndarray]
+    quant_caps: dict[str, np.ndarray]
+
+
+def attribute(run: _Run, f_state: Mapping[str, np.ndarray], q_state: Mapping[str, np.ndarray],
+              per_tensor: Sequence[Mapping[str, Any]], widths: Mapping[str, Bits], config: TransformerConfig
+              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(per_layer rows, attribution summary): each unit's changed parameters swapped into the float model alone,
+    then every unit at once (which must give the quantized model's logits exactly)."""
+    members = unit_members(f_state, q_state, config)
+    where = torch_index(config)
+    cq_names = {t["name"] for t in per_tensor}
+    total = logit_figures(run.quant_logits, run.float_logits, run.real)["kld"]["mean"]
+    rows, swapped = [], []
+    for unit in _unit_order(config, list(members)):
+        keys = members.get(unit, [])
+        if keys:
+            figs = logit_figures(_with_swapped(run.model, keys, q_state, f_state, run.tokens), run.float_logits,
+                                 run.real)
+            swapped += keys
+        else:  # nothing of it differs: exactly the float model
+            figs = {"kld": {"mean": 0.0, "p99": 0.0, "max": 0.0}, "same_top1": 1.0, "rms_dp": 0.0}
+        tensors = [t for t in per_tensor if t["layer"] == unit]
+        dbs = [t["sqnr_db"] for t in tensors if t["sqnr_db"] is not None]
+        what, f_s = _unit_state(unit, run.float_caps)
+        err = state_error(_unit_state(unit, run.quant_caps)[1], f_s, run.real) if f_s is not None else {}
+        kind, index = _unit_kind(unit)
+        rows.append({
+            "layer": unit, "kind": kind, "index": index,
+            "site_layer": config.engram_layers[index] if kind == "engram" else None,
+            "tensors": [t["name"] for t in tensors], "bits": sorted({widths[t["name"]] for t in tensors}),
+            "other_params": [k for k in keys if tensor_name(*where[k]) not in cq_names],
+            "sqnr_db_min": min(dbs) if dbs else None,
+            "kld_mean": figs["kld"]["mean"], "kld_p99": figs["kld"]["p99"], "kld_max": figs["kld"]["max"],
+            "kld_share": figs["kld"]["mean"] / total if total else None,
+            "same_top1": figs["same_top1"], "rms_dp": figs["rms_dp"],
+            "state": what, "state_rel_rms": err.get("rel_rms"), "state_max_abs": err.get("max_abs"),
+            "state_cos": err.get("cos"),
+        })
+    every = _with_swapped(run.model, swapped, q_state, f_state, run.tokens) if swapped else run.float_logits
+    summary = {"units": len(members), "all_units_vs_quantized_max_abs": float(np.max(np.abs(every - run.quant_logits))),
+               "units_kld_mean_sum": float(sum(r["kld_mean"] for r in rows))}
+    return rows, summary
 
 
 def compare(float_params: Mapping[str, Any], quantized: Quantized, config: TransformerConfig, batch: Batch, *,
@@ -456,75 +559,12 @@ def compare(float_params: Mapping[str, Any], quantized: Quantized, config: Trans
         tokens = torch.from_numpy(tokens_np).long().to(dev)
         f_logits, f_caps = forward_states(fmodel, tokens)
         q_logits, q_caps = forward_states(qmodel, tokens)
-        figures = logit_figures(q_logits, f_logits, real)
-
-        # Per tensor: SQNR of every CQ leaf, per layer slice.
-        stacked = stacked_paths(config)
-        f_flat, q_flat = flatten_tree(float_params), flatten_tree(quantized.params)
-        per_tensor = []
-        for path in quantized.cq_paths:
-            for (i, w), (_, q) in zip(_slices(f_flat, path, stacked), _slices(q_flat, path, stacked), strict=True):
-                name = tensor_name(path, i)
-                db = sqnr_db(w, q)
-                norm = float(np.linalg.norm(np.asarray(w, np.float64)))
-                err = float(np.linalg.norm(np.asarray(w, np.float64) - q))
-                per_tensor.append({"name": name, "param": path, "layer": unit_of(path, i),
-                                   "bits": quantized.widths.get(name), "sqnr_db": db,
-                                   "rel_err": (err / norm) if norm else (0.0 if err == 0 else None),
-                                   "numel": int(np.size(w)), "logits_path": path.startswith(LOGITS_PATH)})
-
-        # Per unit: the torch parameters that differ, grouped; each swapped into the float model alone.
-        f_state = flax_to_torch_numpy(float_params, config)
-        q_state = flax_to_torch_numpy(quantized.params, config)
-        table = FAMILY.table(config)
-        where = {}  # torch key -> (Flax path, layer)
-        for rule in table.rules:
-            n = table.layers(rule)
-            for i in (range(n) if n is not None else (None,)):
-                where[rule.torch if i is None else rule.torch.format(i=i)] = (rule.flax, i)
-        members: dict[str, list[str]] = {}
-        for key, arr in q_state.items():
-            unit = unit_of(*where[key])
-            if unit is not None and not np.array_equal(arr, f_state[key]):
-                members.setdefault(unit, []).append(key)
-        order = {u: i for i, u in enumerate(_unit_order(config, members))}
-        per_tensor.sort(key=lambda t: order.get(t["layer"], len(order)))  # stable: model order within a unit
-        cq_names = {t["name"] for t in per_tensor}
-        total = figures["kld"]["mean"]
-        per_layer = []
-        swap_all = []
-        for unit in _unit_order(config, members):
-            keys = members.get(unit, [])
-            if keys:
-                alone = _with_swapped(fmodel, keys, q_state, f_state, tokens)
-                unit_figs = logit_figures(alone, f_logits, real)
-                swap_all += keys
-            else:
-                unit_figs = {"kld": {k: 0.0 for k in ("mean", "p99", "max")}, "same_top1": 1.0, "rms_dp": 0.0}
-            names = [t["name"] for t in per_tensor if t["layer"] == unit]
-            others = [k for k in keys if tensor_name(*where[k]) not in cq_names]
-            what, f_s = _unit_state(unit, f_caps)
-            _, q_s = _unit_state(unit, q_caps)
-            err = state_error(q_s, f_s, real) if f_s is not None else {}
-            dbs = [t["sqnr_db"] for t in per_tensor if t["layer"] == unit and t["sqnr_db"] is not None]
-            kind = re.sub(r"\d+$", "", unit)
-            per_layer.append({
-                "layer": unit, "kind": kind, "index": int(re.sub(r"\D", "", unit)) if kind in ("layer", "engram")
-                else None,
-                "site_layer": config.engram_layers[int(unit[6:])] if kind == "engram" else None,
-                "tensors": names, "bits": sorted({quantized.widths[n] for n in names}), "other_params": others,
-                "sqnr_db_min": min(dbs) if dbs else None,
-                "kld_mean": unit_figs["kld"]["mean"], "kld_p99": unit_figs["kld"]["p99"],
-                "kld_max": unit_figs["kld"]["max"], "kld_share": unit_figs["kld"]["mean"] / total if total else None,
-                "same_top1": unit_figs["same_top1"], "rms_dp": unit_figs["rms_dp"],
-                "state": what, "state_rel_rms": err.get("rel_rms"), "state_max_abs": err.get("max_abs"),
-                "state_cos": err.get("cos"),
-            })
-        # Every unit swapped in at once must be the quantized model on the logits path: nothing left unattributed.
-        every = _with_swapped(fmodel, swap_all, q_state, f_state, tokens) if swap_all else f_logits
-        attribution = {"units": len(members), "all_units_vs_quantized_max_abs": float(np.max(np.abs(every - q_logits))),
-                       "units_kld_mean_sum": float(sum(r["kld_mean"] for r in per_layer))}
-
+        run = _Run(fmodel, tokens, real, f_logits, q_logits, f_caps, q_caps)
+        figures = logit_figures(run.quant_logits, run.float_logits, real)
+        per_tensor = tensor_table(float_params, quantized, config)
+        per_layer, attribution = attribute(run, flax_to_torch_numpy(float_params, config),
+                                           flax_to_torch_numpy(quantized.params, config), per_tensor,
+                                           quantized.widths, config)
         greedy, arrays = None, {}
         if steps:
             ends = prompt_ends(tokens_np, pad)
@@ -536,8 +576,8 @@ def compare(float_params: Mapping[str, Any], quantized: Quantized, config: Trans
             if int(ends.max()) + steps > config.max_seq_len:
                 notes.append(f"greedy decoding reaches {int(ends.max()) + steps} positions, past config.max_seq_len="
                              f"{config.max_seq_len} (upstream's forward does not check it)")
-    arrays.update(tokens=tokens_np, real=real, float_logits=f_logits, quant_logits=q_logits, float_states=f_caps,
-                  quant_states=q_caps)
+    arrays.update(tokens=tokens_np, real=real, float_logits=run.float_logits, quant_logits=run.quant_logits,
+                  float_states=run.float_caps, quant_states=run.quant_caps)
     report = QuantReport(
         quantized=dict(quantized.description),
         positions={"real": int(real.sum()), "total": int(real.size)},
@@ -547,7 +587,7 @@ def compare(float_params: Mapping[str, Any], quantized: Quantized, config: Trans
         inputs={**batch.describe(pad), "mask": "causal (upstream's __call__ default)",
                 "counted": "real (non-pad) positions only"},
         model={**dict(model_info or {}), "config": config.to_dict(),
-               "num_params": int(sum(np.size(a) for a in f_flat.values()))},
+               "num_params": int(sum(np.size(a) for a in flatten_tree(float_params).values()))},
         environment=_environment(dev, dtype), notes=notes, arrays=arrays)
     return score(report, thresholds)
 
@@ -680,8 +720,8 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
 
 
 __all__ = [
-    "QuantReport", "Quantized", "ReportError", "Thresholds", "compare", "forward_states", "from_cact",
+    "QuantReport", "Quantized", "ReportError", "Thresholds", "attribute", "compare", "forward_states", "from_cact",
     "greedy_decode", "kld_stats", "load_json", "logit_figures", "parse_bits_spec", "quant", "quant_batch",
     "quantize_bits", "render_html", "render_terminal", "rescore", "run_quant", "score", "sqnr_db", "state_error",
-    "to_json", "unquantized",
+    "tensor_table", "to_json", "torch_index", "unit_members", "unquantized",
 ]

@@ -87,6 +87,7 @@ class Report:
     environment: dict[str, Any]
     gradients: GradientResult | None = None
     generation: dict[str, Any] | None = None
+    lora_gradients: GradientResult | None = None  # an adapter's A/B gradients (Needle 2 --lora)
     passed: bool = False
     first_divergence: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -107,6 +108,7 @@ class Report:
             "profile": self.profile.to_dict(),
             "probes": [p.to_dict() for p in self.probes],
             "gradients": None if self.gradients is None else self.gradients.to_dict(),
+            "lora_gradients": None if self.lora_gradients is None else self.lora_gradients.to_dict(),
             "generation": _json_safe(self.generation),
             "inputs": _json_safe(self.inputs),
             "model": _json_safe(self.model),
@@ -129,6 +131,8 @@ class Report:
                 probes=[ProbeResult.from_dict(p) for p in d["probes"]],
                 inputs=d.get("inputs", {}), model=d.get("model", {}), environment=d.get("environment", {}),
                 gradients=None if d.get("gradients") is None else GradientResult.from_dict(d["gradients"]),
+                lora_gradients=None if d.get("lora_gradients") is None else GradientResult.from_dict(
+                    d["lora_gradients"]),
                 generation=d.get("generation"), passed=bool(d["passed"]), first_divergence=d.get("first_divergence"),
                 notes=list(d.get("notes", [])),
             )
@@ -164,19 +168,22 @@ def score(report: Report, profile: Profile) -> Report:
     budget = profile.budget(report.mode)
     probes = [_judged(p, budget, logits=p.is_logits) for p in report.probes]
     first = next((p.name for p in probes if not p.passed), None)
-    gradients = report.gradients
-    if gradients is not None:
-        total = _judged(gradients.total, profile.grads_total)
-        if profile.grads is None:
-            params = [dataclasses.replace(p, tolerance={}, passed=None) for p in gradients.params]
-        else:
-            params = [_judged(p, profile.grads) for p in gradients.params]
-        failure = next((p.name for p in params if p.passed is False), None if total.passed else total.name)
-        gradients = dataclasses.replace(gradients, total=total, params=params, passed=failure is None,
-                                        first_failure=failure)
-    passed = first is None and (gradients is None or gradients.passed)
-    return dataclasses.replace(report, profile=profile, probes=probes, gradients=gradients, passed=passed,
-                               first_divergence=first)
+    gradients, lora = (_judged_gradients(g, profile) for g in (report.gradients, report.lora_gradients))
+    passed = first is None and all(g is None or g.passed for g in (gradients, lora))
+    return dataclasses.replace(report, profile=profile, probes=probes, gradients=gradients, lora_gradients=lora,
+                               passed=passed, first_divergence=first)
+
+
+def _judged_gradients(gradients: GradientResult | None, profile: Profile) -> GradientResult | None:
+    if gradients is None:
+        return None
+    total = _judged(gradients.total, profile.grads_total)
+    if profile.grads is None:
+        params = [dataclasses.replace(p, tolerance={}, passed=None) for p in gradients.params]
+    else:
+        params = [_judged(p, profile.grads) for p in gradients.params]
+    failure = next((p.name for p in params if p.passed is False), None if total.passed else total.name)
+    return dataclasses.replace(gradients, total=total, params=params, passed=failure is None, first_failure=failure)
 
 
 def _judged(p: ProbeResult, budget, logits: bool = False) -> ProbeResult:
@@ -257,6 +264,8 @@ def render_terminal(report: Report, console=None) -> None:
             f"top-5 overlap {_fmt(m.get('top5'), 'pct')}")
     if report.gradients is not None:
         _render_gradients(report.gradients, console)
+    if report.lora_gradients is not None:
+        _render_gradients(report.lora_gradients, console, "LoRA gradients (adapter A/B)")
     if report.generation is not None:
         say(generation_line(report.generation))
     for note in report.notes:
@@ -280,9 +289,10 @@ def verdict_line(report: Report) -> str:
         return f"[bold green]PARITY HOLDS[/]: all {len(report.probes)} probes{grads} within budget ({what})"
     if report.first_divergence is not None:
         return f"[bold red]PARITY FAILED[/]: first divergence at [bold]{escape(report.first_divergence)}[/] ({what})"
-    failure = report.gradients.first_failure if report.gradients else None
-    return (f"[bold red]PARITY FAILED[/]: activations agree, gradient of [bold]{escape(str(failure))}[/] differs "
-            f"({what})")
+    failed = next(g for g in (report.gradients, report.lora_gradients) if g is not None and not g.passed)
+    kind = "LoRA gradient" if failed is report.lora_gradients else "gradient"
+    return (f"[bold red]PARITY FAILED[/]: activations agree, {kind} of [bold]{escape(str(failed.first_failure))}[/] "
+            f"differs ({what})")
 
 
 def _sortable(value: float | None) -> float:
@@ -290,17 +300,17 @@ def _sortable(value: float | None) -> float:
     return math.inf if value is None or math.isnan(value) else value
 
 
-def _render_gradients(g: GradientResult, console) -> None:
+def _render_gradients(g: GradientResult, console, what: str = "gradients") -> None:
     from rich.table import Table
 
     judged = [p for p in g.params if p.passed is not None]
     within = f"{sum(bool(p.passed) for p in judged)}/{len(judged)} params within budget" if judged else \
         "per-parameter not judged in half precision"
     t = g.total
-    console.print(f"gradients: loss flax {_fmt(g.loss_flax)}, torch {_fmt(g.loss_torch)}; all parameters rel L2 "
+    console.print(f"{what}: loss flax {_fmt(g.loss_flax)}, torch {_fmt(g.loss_torch)}; all parameters rel L2 "
                   f"{_fmt(t.metrics.get('rel_l2'))} (budget {_fmt(t.tolerance.get('rel_l2'))}) "
                   f"{'ok' if t.passed else 'FAIL'}; {within}", highlight=False)
-    table = Table(title="gradients, worst 5 parameters", title_justify="left", header_style="bold")
+    table = Table(title=f"{what}, worst 5 parameters", title_justify="left", header_style="bold")
     for col in ("param", "max abs", "rel L2", "cosine", "budget rel L2", ""):
         table.add_column(col)
     for p in sorted(g.params, key=lambda p: (p.passed is not False, -_sortable(p.metrics.get("rel_l2"))))[:5]:
@@ -440,7 +450,8 @@ def render_html(report: Report) -> str:
     """A self-contained page (inline CSS and SVG, no scripts, no external references)."""
     verdict = ('<span class="verdict pass">PARITY HOLDS</span>' if report.passed
                else '<span class="verdict fail">PARITY FAILED</span>')
-    where = report.first_divergence or (report.gradients.first_failure if report.gradients else None)
+    where = report.first_divergence or next((g.first_failure for g in (report.gradients, report.lora_gradients)
+                                             if g is not None and g.first_failure), None)
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>needle-twin parity: {'pass' if report.passed else 'fail'}</title><style>{_CSS}</style></head><body>",
@@ -461,9 +472,10 @@ def render_html(report: Report) -> str:
                                           "KL max budget": _fmt(logits.tolerance.get("kl_max")),
                                           "top-1 agreement": _fmt(m.get("top1"), "pct"),
                                           "top-5 overlap": _fmt(m.get("top5"), "pct")})]
-    if report.gradients is not None:
-        g = report.gradients
-        parts += [f"<h2>Gradients ({'pass' if g.passed else 'FAIL'})</h2>",
+    for title, g in (("Gradients", report.gradients), ("LoRA gradients (adapter A/B)", report.lora_gradients)):
+        if g is None:
+            continue
+        parts += [f"<h2>{title} ({'pass' if g.passed else 'FAIL'})</h2>",
                   _dl({"loss (flax)": _fmt(g.loss_flax), "loss (torch)": _fmt(g.loss_torch),
                        "all parameters, rel L2": f"{_fmt(g.total.metrics.get('rel_l2'))} (budget "
                                                  f"{_fmt(g.total.tolerance.get('rel_l2'))})",

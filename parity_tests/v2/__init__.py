@@ -4,6 +4,7 @@ from convert.v2.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from needle_flax.v2 import SimpleAttentionNetwork as FlaxModel
 from parity_tests.adapter import Adapter
 from parity_tests.v2 import inputs, runs
+from parity_tests.v2.lora import lora_gradient_parity
 from parity_tests.v2.tolerances import BUDGETS
 
 ADAPTER = Adapter(
@@ -20,6 +21,7 @@ ADAPTER = Adapter(
     token_file=inputs.load_token_file,
     text_batch=inputs.text_batch,
     budgets=BUDGETS,
+    lora_gradients=lora_gradient_parity,
     special_ids=(PAD_ID, EOS_ID, BOS_ID, UNK_ID),
     lengths=inputs.LENGTHS,
 )
