@@ -366,16 +366,96 @@ def rescore_command(
     atol: Annotated[Optional[float], _ATOL] = None,
     kl_max: Annotated[Optional[float], _KL] = None,
     grad_rtol: Annotated[Optional[float], _GRAD_RTOL] = None,
+    max_kld: Annotated[Optional[float], typer.Option("--max-kld", help="A quant report: the KL threshold.")] = None,
+    min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="A quant report: the top-1 threshold.")
+                        ] = None,
+    kld_stat: Annotated[str, typer.Option("--kld-stat", help="A quant report: the KL statistic --max-kld bounds.")
+                        ] = "mean",
 ) -> None:
-    """Re-judge a saved parity report against other tolerances, without running any model.
+    """Re-judge a saved parity report (other tolerances) or quant report (other thresholds), running no model.
 
-    Without options it re-applies the report's own profile. Exit code 0 / 1 / 2 as for `parity`.
+    Without options a parity report gets its own profile again. Exit code 0 / 1 / 2 as for `parity` and `quant`.
     """
+    if _report_schema(report_path) == "needle-twin/quant-report":
+        from parity_tests import quant
+        from parity_tests.quant_report import render_terminal, verdict_text
+
+        if any(v is not None for v in (profile, rtol, atol, kl_max, grad_rtol)):
+            raise NeedleTwinError("--profile, --rtol, --atol, --kl-max and --grad-rtol re-judge parity reports; a "
+                                  "quant report takes --max-kld, --min-top1 and --kld-stat")
+        report = quant.rescore_file(report_path, json_path=json_path, html_path=html_path, force=force,
+                                    max_kld=max_kld, min_top1=min_top1, kld_stat=kld_stat)
+        console = _report_console()
+        console.print(verdict_text(report)) if quiet else render_terminal(report, console)
+        raise typer.Exit(report.exit_code)
+    if max_kld is not None or min_top1 is not None:
+        raise NeedleTwinError("--max-kld and --min-top1 re-judge quant reports; this is a parity report")
     from parity_tests import commands as parity
 
     report = parity.rescore(report_path, json_path=json_path, html_path=html_path, force=force,
-                              overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
+                            overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol))
     _show_report(report, quiet)
+
+
+def _report_schema(path: str) -> str | None:
+    """The `schema` a saved report names (None when it is not a readable JSON object: the loader says why)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data.get("schema") if isinstance(data, dict) else None
+
+
+# --- quant command: the float model against a quantised build ---
+
+
+@app.command("quant")
+@guarded
+def quant_command(
+    float_ckpt: Annotated[str, typer.Argument(metavar="FLOAT_CKPT", help="The float Needle 2 checkpoint.")],
+    cact: Annotated[Optional[str], typer.Option("--cact", help="A .cact build of it to judge.")] = None,
+    bits: Annotated[Optional[str], typer.Option(
+        "--bits", help="Or quantise it here: 2, 3, 4, 1.58, or a bits map such as default=2,embedding=4.")] = None,
+    inputs: Annotated[Optional[str], typer.Option(
+        "--inputs", help="Token ids (.npy, .npz or .json with `tokens`), as `parity --inputs` takes; default: a "
+                         "seeded random batch.")] = None,
+    lora: Annotated[Optional[str], typer.Option(
+        "--lora", help="A LoRA adapter: judge base+adapter, merged before quantising (as `needle build --lora`).")
+                    ] = None,
+    batch: Annotated[int, typer.Option("--batch", help="Rows of the random batch.")] = 4,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Length of the random batch.")] = 32,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random batch.")] = 0,
+    steps: Annotated[int, typer.Option("--steps", help="Greedy steps both models decode (0 = none).")] = 8,
+    max_kld: Annotated[Optional[float], typer.Option(
+        "--max-kld", help="Fail (exit 1) when the KL mean (see --kld-stat) exceeds this.")] = None,
+    min_top1: Annotated[Optional[float], typer.Option(
+        "--min-top1", help="Fail (exit 1) when the same-top-1 fraction is below this.")] = None,
+    kld_stat: Annotated[str, typer.Option(
+        "--kld-stat", help="Which KL statistic --max-kld bounds: mean, median, p99, p999 or max.")] = "mean",
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here.")] = None,
+    html_path: Annotated[Optional[str], typer.Option("--html", help="Write a self-contained HTML report here.")
+                         ] = None,
+    force: Annotated[bool, _REPORT_FORCE] = False,
+    device: Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:N or mps.")] = "cpu",
+    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype of both models.")] = "float32",
+    quiet: Annotated[bool, _QUIET] = False,
+) -> None:
+    """Does the quantised build still decide what the float model decided? KL, top-1, greedy agreement, and the
+    layers and tensors that cost most (each layer quantised alone; per-tensor SQNR). torch only, no JAX.
+
+    Exit code 0, or 1 when a --max-kld / --min-top1 threshold fails, 2 on bad input."""
+    from parity_tests import quant
+    from parity_tests.quant_report import render_terminal, verdict_text
+
+    report = quant.quant(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed,
+                         steps=steps, lora=lora, json_path=json_path, html_path=html_path, force=force,
+                         max_kld=max_kld, min_top1=min_top1, kld_stat=kld_stat, device=device, dtype=dtype)
+    console = _report_console()
+    if quiet:
+        console.print(verdict_text(report))
+    else:
+        render_terminal(report, console)
+    raise typer.Exit(report.exit_code)
 
 
 # --- generate command (issue 5) ---

@@ -10,10 +10,8 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from convert import atomic
 from convert.errors import ConfigError, ConfigMismatchError, NeedleTwinError
 from convert.fields import DTYPES
 from convert.io import read_checkpoint
@@ -23,6 +21,7 @@ from parity_tests.adapter import Adapter
 from parity_tests.devices import JAX_PLATFORMS
 from parity_tests.engine import MODES, run_parity
 from parity_tests.families import adapter_named, adapter_of
+from parity_tests.outputs import check_outputs, write_outputs
 from parity_tests.report import Report, load_json, render_html, to_json
 from parity_tests.report import rescore as rescore_report
 from parity_tests.tolerances import device_class, get_profile, profile_by_name, with_overrides
@@ -111,23 +110,6 @@ def make_batch(adapter: Adapter, config, *, inputs: str | None, tokenizer: str |
     return adapter.random_batch(config, batch=batch, seed=seed, **sizes)
 
 
-def check_outputs(paths: Sequence[str | None], force: bool) -> None:
-    """Refuse to clobber (without --force) before any work is done."""
-    given = [Path(p) for p in paths if p]
-    for path in given:
-        atomic.check_target(path, force=force, directory=False)
-    if len({p.resolve() for p in given}) < len(given):
-        raise NeedleTwinError("--json and --html name the same file; give two paths")
-
-
-def write_outputs(report: Report, json_path: str | None, html_path: str | None, force: bool) -> None:
-    """Each file whole or not at all (written beside the target, renamed into place)."""
-    for path, render in ((json_path, to_json), (html_path, render_html)):
-        if path:
-            with atomic.atomic_output(Path(path), force=force) as tmp:
-                tmp.write_text(render(report), encoding="utf-8")
-
-
 def parity(flax_ckpt: str | None = None, *, torch_ckpt: str | None = None, family: str | None = None,
            dtype: str = "float32", mode: str = "propagated", batch: int = 4, src_len: int | None = None,
            tgt_len: int | None = None, seq_len: int | None = None, seed: int = 0, inputs: str | None = None,
@@ -181,7 +163,7 @@ def parity(flax_ckpt: str | None = None, *, torch_ckpt: str | None = None, famil
                         pin_precision=pin_precision, grads=grads, generate=generate,
                         suppress_tokens=adapter.special_ids if suppress_special else None, model_info=info,
                         seeds=seeds, lora=lora_adapter)
-    write_outputs(report, json_path, html_path, force)
+    write_outputs(report, ((json_path, to_json), (html_path, render_html)), force)
     return report
 
 
@@ -195,5 +177,5 @@ def rescore(report_path: str, *, json_path: str | None = None, html_path: str | 
     if new.profile.dtype != old.dtype:
         raise NeedleTwinError(f"profile {new.profile.name} is for {new.profile.dtype}, but the report was computed "
                               f"in {old.dtype}; pick a {old.dtype} profile")
-    write_outputs(new, json_path, html_path, force)
+    write_outputs(new, ((json_path, to_json), (html_path, render_html)), force)
     return new

@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from convert.registry import family_named, family_of
-from parity_tests import v1, v2
 from parity_tests.adapter import Adapter
 from parity_tests.tolerances import Profile, get_profile
+from parity_tests.v1.adapter import ADAPTER as V1
+from parity_tests.v2.adapter import ADAPTER as V2
 
-ADAPTERS: dict[str, Adapter] = {a.family: a for a in (v1.ADAPTER, v2.ADAPTER)}
+ADAPTERS: dict[str, Adapter] = {a.family: a for a in (V1, V2)}
 
 
 def adapter_named(name: str) -> Adapter:

@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from convert import atomic
 from convert.errors import CheckpointError, ConfigError, NeedleTwinError
 from convert.io import read_checkpoint
 from convert.mapping import flax_to_torch_numpy
@@ -47,24 +46,15 @@ from convert.trees import flatten_tree, unflatten_tree
 from convert.v2 import FAMILY
 from convert.v2.bits import Bits, bits_for, canonical_name, check_bits, format_bits_map, parse_bits_map, unused_keys
 from convert.v2.cact import CQ, CactFile, read_cact, to_params
-from convert.v2.config import BOS_ID, FIRST_PLAIN_ID, TransformerConfig
+from convert.v2.config import TransformerConfig
 from convert.v2.cq import cq_mixed_params, quant_leaf_names, width_of_record
 from convert.v2.lora import merge_lora
 from needle_torch.layers import TORCH_DTYPES
 from needle_torch.v2 import SimpleAttentionNetwork
 from parity_tests.devices import torch_device
-from parity_tests.inputs import (
-    Batch,
-    InputError,
-    as_token_array,
-    check_sizes,
-    check_tokens,
-    pad_rows,
-    plain_ids,
-    read_token_file,
-    varied_lengths,
-)
+from parity_tests.inputs import Batch, InputError, as_token_array, check_sizes, check_tokens
 from parity_tests.metrics import cosine, log_softmax, max_rel, token_kl, topk_agreement
+from parity_tests.outputs import check_outputs, write_outputs
 from parity_tests.quant_report import (
     QuantReport,
     ReportError,
@@ -76,6 +66,7 @@ from parity_tests.quant_report import (
     score,
     to_json,
 )
+from parity_tests.v2 import inputs as v2_inputs
 
 DEFAULT_BATCH, DEFAULT_SEQ_LEN, DEFAULT_STEPS = 4, 32, 8
 LOGITS_PATH = ("embedding/", "stack/", "engrams_")  # Flax prefixes the LM logits depend on (not MTP, not the heads)
@@ -93,18 +84,13 @@ def quant_batch(config: TransformerConfig, *, inputs: Any = None, batch: int = D
     lengths. batch and seq_len size the random batch only."""
     pad = config.pad_token_id
     if inputs is None:
-        check_sizes(batch=batch, seq_len=seq_len)
-        rng = np.random.default_rng(seed)
-        ids = plain_ids(rng, (batch, seq_len), config.vocab_size, pad, FIRST_PLAIN_ID)
-        ids[:, 0] = BOS_ID
-        tokens = pad_rows(ids, varied_lengths(rng, batch, seq_len), pad)
-        return Batch({"tokens": tokens}, f"random (seed {seed}, BOS first, right-padded)")
+        return v2_inputs.random_batch(config, batch, seq_len, seed)  # the same tokens `needle-twin parity` draws
     if isinstance(inputs, (str, os.PathLike)):
-        found = read_token_file(inputs, "tokens", ("tokens",))
-        tokens, source = found["tokens"], str(inputs)
+        given = v2_inputs.load_token_file(inputs, config)
+        tokens, source = given.tokens, given.source
     else:
-        tokens, source = inputs, "given ids"
-    tokens = check_tokens(as_token_array(tokens, "tokens", pad), config.vocab_size, "tokens")
+        tokens = check_tokens(as_token_array(inputs, "tokens", pad), config.vocab_size, "tokens")
+        source = "given ids"
     if not (tokens != pad).any():
         raise InputError(f"tokens hold only the pad id {pad}: there is no real position to compare; give some "
                          "real token ids")
@@ -255,7 +241,7 @@ def from_cact(cact: str | os.PathLike | CactFile, config: TransformerConfig) -> 
     if np.float32(cact_config.rope_theta) != np.float32(config.rope_theta):  # the header holds θ as float32
         differ["rope_theta"] = (cact_config.rope_theta, config.rope_theta)
     if differ:
-        what = "; ".join(f"{k}: .cact {a!r} vs checkpoint {b!r}" for k, a, b in ((k, *v) for k, v in differ.items()))
+        what = "; ".join(f"{k}: .cact {a!r} vs checkpoint {b!r}" for k, (a, b) in differ.items())
         raise ConfigError(f"{f.path} describes another model than the float checkpoint ({what}); give the .cact "
                           "exported from this checkpoint")
     stacked = stacked_paths(config)
@@ -665,23 +651,6 @@ def run_quant(float_params: Mapping[str, Any], config: TransformerConfig, *, cac
 # ----------------------------------------------------------------------------- the command
 
 
-def check_outputs(paths: Sequence[str | None], force: bool) -> None:
-    """Refuse to clobber (without --force), and two outputs at one path, before any work is done."""
-    given = [Path(p) for p in paths if p]
-    for path in given:
-        atomic.check_target(path, force=force, directory=False)
-    if len({p.resolve() for p in given}) < len(given):
-        raise NeedleTwinError("--json and --html name the same file; give two paths")
-
-
-def write_outputs(report: QuantReport, json_path: str | None, html_path: str | None, force: bool) -> None:
-    """Each file whole or not at all (written beside the target, renamed into place)."""
-    for path, render in ((json_path, to_json), (html_path, render_html)):
-        if path:
-            with atomic.atomic_output(Path(path), force=force) as tmp:
-                tmp.write_text(render(report), encoding="utf-8")
-
-
 def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, inputs: str | None = None,
           batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN, seed: int = 0, steps: int = DEFAULT_STEPS,
           lora: str | None = None, json_path: str | None = None, html_path: str | None = None, force: bool = False,
@@ -715,13 +684,24 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
                        min_top1=min_top1, kld_stat=kld_stat,
                        model_info={"checkpoint": str(float_ckpt), "format": ckpt.format,
                                    "step": ckpt.extra.get("step")})
-    write_outputs(report, json_path, html_path, force)
+    write_outputs(report, ((json_path, to_json), (html_path, render_html)), force)
     return report
+
+
+def rescore_file(report_path: str, *, json_path: str | None = None, html_path: str | None = None,
+                 force: bool = False, max_kld: float | None = None, min_top1: float | None = None,
+                 kld_stat: str = "mean") -> QuantReport:
+    """`needle-twin rescore QUANT_JSON --max-kld X --min-top1 Y`: re-judge a saved report, no model runs."""
+    Thresholds(max_kld, min_top1, kld_stat)
+    check_outputs((json_path, html_path), force)
+    new = rescore(load_json(report_path), max_kld, min_top1, kld_stat)
+    write_outputs(new, ((json_path, to_json), (html_path, render_html)), force)
+    return new
 
 
 __all__ = [
     "QuantReport", "Quantized", "ReportError", "Thresholds", "attribute", "compare", "forward_states", "from_cact",
     "greedy_decode", "kld_stats", "load_json", "logit_figures", "parse_bits_spec", "quant", "quant_batch",
-    "quantize_bits", "render_html", "render_terminal", "rescore", "run_quant", "score", "sqnr_db", "state_error",
+    "quantize_bits", "render_html", "render_terminal", "rescore", "rescore_file", "run_quant", "score", "sqnr_db", "state_error",
     "tensor_table", "to_json", "torch_index", "unit_members", "unquantized",
 ]

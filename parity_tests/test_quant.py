@@ -469,6 +469,16 @@ def test_json_round_trip(reports, tmp_path):
         load_json(tmp_path / "bad.json")
 
 
+def test_schema_doc_names_every_field(reports):
+    """QUANT_SCHEMA.md documents every key the report writes (top level, per_layer, per_tensor, greedy, kld)."""
+    doc = open("parity_tests/QUANT_SCHEMA.md", encoding="utf-8").read()
+    documented = set(re.findall(r"`([a-z_0-9]+)`", doc))
+    d = _strict_json(to_json(reports["q4"]))
+    keys = set(d) | set(d["per_layer"][0]) | set(d["per_tensor"][0]) | set(d["greedy"]) | set(d["kld"])
+    keys |= set(d["thresholds"]) | set(d["attribution"]) | set(d["positions"]) | set(d["quantized"])
+    assert keys - documented == set()
+
+
 def test_rescore(reports, tmp_path):
     path = tmp_path / "r.json"
     path.write_text(to_json(reports["q4"]))
