@@ -277,7 +277,8 @@ def parity_command(
     torch_ckpt: Annotated[Optional[str], typer.Option(
         "--torch", help="Check this independently converted torch checkpoint instead of converting in memory.")] = None,
     family: Annotated[Optional[str], typer.Option(
-        "--family", help="The embedded default model's family when no checkpoint is given: v1 or v2.")] = None,
+        "--family", help="The embedded default model's family when no checkpoint is given: v2 (default: Needle 2, "
+                         "'base', 45M) or v1 (26.3M).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype of both twins: float32, bfloat16, float16.")
                      ] = "float32",
     mode: Annotated[str, typer.Option("--mode", help="propagated: both run end to end (drift budget); isolated: "
@@ -311,7 +312,7 @@ def parity_command(
     generate: Annotated[int, typer.Option("--generate", help="Greedy-generate N tokens with both twins and report "
                                                              "the first step that differs (0 = skip).")] = 8,
     suppress_special: Annotated[Optional[bool], typer.Option(
-        "--suppress-special/--allow-special", help="Keep greedy generation off ids 0..5 (default: only for the "
+        "--suppress-special/--allow-special", help="Keep greedy generation off the special ids (default: only for the "
                                                    "embedded random model, which would stop at EOS at once).")] = None,
     lora: Annotated[Optional[str], typer.Option(
         "--lora", help="Needle 2: a LoRA adapter (pickle or PEFT dir) for the checkpoint; compare its A/B gradients "

@@ -54,6 +54,14 @@ class Linear(nn.Linear):
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
+def repeated_region(fn: Callable) -> Callable:
+    """Mark `fn` (one layer's work, the layer module its first argument) as torch.compile's nested compile
+    region: traced and compiled once, then stamped out for every layer of a compiled step instead of being
+    retraced for each. Eagerly a plain call. The region is reused only while its inputs look alike (shapes,
+    dtypes, constants), so whatever differs per layer must come in as a tensor."""
+    return torch.compiler.nested_compile_region(fn)
+
+
 # ----------------------------------------------------------------------------- compiled steps
 
 

@@ -39,5 +39,7 @@ class Adapter:
     text_batch: Callable[..., Any]  # (tokenizer path, queries, tools, config, seed, **lengths) -> inputs.Batch
     budgets: Mapping[str, Budgets]  # compute dtype -> budgets
     lora_gradients: Callable[..., Any] | None = None  # (twins, batch, adapter) -> GradientResult of its A/B
+    # (config, dtype, jax platform) -> (the config both twins run, a note for the report or None)
+    prepare: Callable[[Any, str, str], tuple[Any, str | None]] | None = None
     special_ids: Sequence[int] = ()  # ids greedy decoding of a random model is kept off (it would stop at once)
     lengths: Mapping[str, int] = field(default_factory=dict)  # the random batch's default lengths by option

@@ -102,6 +102,9 @@ def run_parity(config, flax_params: Mapping[str, Any], batch: Batch, *,
     if profile.dtype != dtype:
         raise NeedleTwinError(f"tolerance profile {profile.name} is for {profile.dtype}, but the run computes in "
                               f"{dtype}; pick the {dtype} profile or drop --profile")
+    note = None
+    if adapter.prepare is not None:
+        config, note = adapter.prepare(config, dtype, jax_platform)
     with pinned_precision(pin_precision):
         twins = build_twins(adapter, config, flax_params, dtype, torch_params, torch_device_name, jax_platform)
         table = adapter.probe_table(twins)
@@ -124,6 +127,8 @@ def run_parity(config, flax_params: Mapping[str, Any], batch: Batch, *,
                     inputs=batch.describe(config.pad_token_id), model=model, environment=env, gradients=gradients,
                     generation=generation, lora_gradients=lora_gradients)
     report = score(report, profile)
+    if note:
+        report.notes.append(note)
     if mode == "propagated" and report.first_divergence is not None:
         report.notes.append("propagated errors include drift from every earlier stage; --mode isolated feeds each "
                             "torch stage the Flax input and shows that stage's own error")

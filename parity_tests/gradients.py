@@ -40,7 +40,15 @@ def gradient_parity(twins: Twins, batch: Batch) -> GradientResult:
     """Unjudged per-parameter gradient metrics (torch = test, Flax = reference), in Flax tree order."""
     loss_f, ref = twins.adapter.flax_loss_and_grads(twins, batch)
     loss_t, test = torch_loss_and_grads(twins, batch)
-    params = [ProbeResult(name, list(np.shape(ref[name])), metrics.compare(test[name], ref[name])) for name in ref]
-    everything = [np.concatenate([np.ravel(d[name]) for name in ref]) for d in (test, ref)]
-    total = ProbeResult(TOTAL, [int(everything[1].size)], metrics.compare(*everything))
-    return GradientResult(loss_f, loss_t, total, params)
+    return GradientResult(loss_f, loss_t, *compare_gradients(test, ref))
+
+
+def compare_gradients(test: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> tuple[ProbeResult, list]:
+    """(the whole gradient as one vector, each tensor), in the reference's order."""
+    total, params = metrics.Sums(), []
+    for name in ref:
+        sums = metrics.Sums().add(test[name], ref[name])
+        params.append(ProbeResult(name, list(np.shape(ref[name])), sums.metrics()))
+        total.add(test[name], ref[name])
+    size = sum(int(np.size(ref[name])) for name in ref)
+    return ProbeResult(TOTAL, [size], total.metrics()), params

@@ -7,6 +7,7 @@ reference. Non-finite inputs give non-finite metrics, which never pass a budget.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -103,28 +104,65 @@ def topk_agreement(test_logits, ref_logits, k: int) -> float:
     return float(np.mean(overlap) / k) if overlap else 1.0
 
 
-def compare(test, ref) -> dict[str, float]:
-    """The metrics every probe reports.
+@dataclass
+class Sums:
+    """What `compare`'s metrics are made of, summable over many tensors (one pass each, float64): the metrics of a
+    whole gradient are those of its concatenation, without building it."""
 
-    NaN where the reference has NaN is agreement, not error: upstream's probe pooling gives NaN for an all-pad row
-    on purpose, and a twin must do the same. So when both have NaN at exactly the same places, the metrics are
-    over the other elements (`nan_matched` counts them); NaN anywhere else gives NaN metrics, which never pass."""
-    a, b = _pair(test, ref)
-    nan_a, nan_b = np.isnan(a), np.isnan(b)
-    if nan_a.any() or nan_b.any():
-        if not np.array_equal(nan_a, nan_b):
-            return {"max_abs": math.nan, "mean_abs": math.nan, "rel_l2": math.nan, "cosine": math.nan,
-                    "ref_max_abs": ref_max_abs(np.where(nan_b, 0.0, b)),
-                    "nan_mismatch": float(np.count_nonzero(nan_a ^ nan_b))}
-        keep = ~nan_b
-        return {**compare(a[keep], b[keep]), "nan_matched": float(np.count_nonzero(nan_b))}
-    return {
-        "max_abs": max_abs(test, ref),
-        "mean_abs": mean_abs(test, ref),
-        "rel_l2": rel_l2(test, ref),
-        "cosine": cosine(test, ref),
-        "ref_max_abs": ref_max_abs(ref),
-    }
+    n: int = 0
+    abs_sum: float = 0.0
+    abs_max: float = 0.0
+    diff_sq: float = 0.0
+    test_sq: float = 0.0
+    ref_sq: float = 0.0
+    dot: float = 0.0
+    ref_max: float = 0.0
+    nan_matched: int = 0
+    nan_mismatch: int = 0
+
+    def add(self, test, ref) -> Sums:
+        """Fold one pair in. NaN where the reference has NaN is agreement, not error: upstream's probe pooling gives
+        NaN for an all-pad row on purpose, and a twin must do the same. NaN anywhere else poisons the metrics."""
+        a, b = _pair(test, ref)
+        nan_a, nan_b = np.isnan(a), np.isnan(b)
+        if nan_a.any() or nan_b.any():
+            self.nan_mismatch += int(np.count_nonzero(nan_a ^ nan_b))
+            self.nan_matched += int(np.count_nonzero(nan_a & nan_b))
+            keep = ~(nan_a | nan_b)
+            a, b = a[keep], b[keep]
+        if a.size:
+            a, b = a.ravel(), b.ravel()
+            d = np.abs(a - b)
+            self.abs_sum += float(d.sum())
+            self.abs_max = max(self.abs_max, float(d.max()))
+            self.diff_sq += float(np.dot(d, d))
+            self.test_sq += float(np.dot(a, a))
+            self.ref_sq += float(np.dot(b, b))
+            self.dot += float(np.dot(a, b))
+            self.ref_max = max(self.ref_max, float(np.abs(b).max()))
+            self.n += a.size
+        return self
+
+    def metrics(self) -> dict[str, float]:
+        na, nb = math.sqrt(self.test_sq), math.sqrt(self.ref_sq)
+        out = {
+            "max_abs": self.abs_max,
+            "mean_abs": self.abs_sum / self.n if self.n else 0.0,
+            "rel_l2": _ratio(math.sqrt(self.diff_sq), nb),
+            "cosine": 1.0 if na == 0.0 and nb == 0.0 else (0.0 if na == 0.0 or nb == 0.0 else self.dot / (na * nb)),
+            "ref_max_abs": self.ref_max,
+        }
+        if self.nan_mismatch:
+            out.update(max_abs=math.nan, mean_abs=math.nan, rel_l2=math.nan, cosine=math.nan,
+                       nan_mismatch=float(self.nan_mismatch))
+        if self.nan_matched:
+            out["nan_matched"] = float(self.nan_matched)
+        return out
+
+
+def compare(test, ref) -> dict[str, float]:
+    """The metrics every probe reports (see Sums.add for NaN that both sides have)."""
+    return Sums().add(test, ref).metrics()
 
 
 def compare_logits(test, ref) -> dict[str, float]:

@@ -702,6 +702,6 @@ def rescore_file(report_path: str, *, json_path: str | None = None, html_path: s
 __all__ = [
     "QuantReport", "Quantized", "ReportError", "Thresholds", "attribute", "compare", "forward_states", "from_cact",
     "greedy_decode", "kld_stats", "load_json", "logit_figures", "parse_bits_spec", "quant", "quant_batch",
-    "quantize_bits", "render_html", "render_terminal", "rescore", "rescore_file", "run_quant", "score", "sqnr_db", "state_error",
-    "tensor_table", "to_json", "torch_index", "unit_members", "unquantized",
+    "quantize_bits", "render_html", "render_terminal", "rescore", "rescore_file", "run_quant", "score", "sqnr_db",
+    "state_error", "tensor_table", "to_json", "torch_index", "unit_members", "unquantized",
 ]

@@ -80,13 +80,30 @@ def _dense(features: int, dt, name: str, init=None):
     return nn.Dense(features, dtype=dt, use_bias=False, kernel_init=init or default_init(), name=name)
 
 
+def _cached_kv(k_cache, v_cache, at, k, v):
+    """Cached decoding: write this chunk's k, v (B, K, S, h) into the cache variables (L, B, M, K, h) at `at` =
+    (layer, pos), and return that layer's whole buffers (B, K, M, h) to attend over.
+
+    The buffers hold k after k_norm and RoPE and v as projected, in the compute dtype: exactly what the forward
+    attends over. Time-major, the layout jax.nn.dot_product_attention reads (its transposes cancel ours)."""
+    layer, pos = at
+    for var, new in ((k_cache, k), (v_cache, v)):
+        new = new.transpose(0, 2, 1, 3)[None].astype(var.value.dtype)  # (1, B, S, K, h)
+        var.value = jax.lax.dynamic_update_slice(var.value, new, (layer, 0, pos, 0, 0))
+    k = jax.lax.dynamic_index_in_dim(k_cache.value, layer, keepdims=False).transpose(0, 2, 1, 3)  # (B, K, M, h)
+    v = jax.lax.dynamic_index_in_dim(v_cache.value, layer, keepdims=False).transpose(0, 2, 1, 3)  # (B, K, M, h)
+    return k, v
+
+
 class Attention(nn.Module):
     """GQA self-attention with q/k ZCRMSNorm, RoPE and a sigmoid output gate; flash or explicit softmax (§3.4)."""
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, mask=None, rope=None, quant=False):
+    def __call__(self, x, mask=None, rope=None, quant=False, cache=None):
+        """cache: (layer, pos) for cached decoding (needle_flax.v2.generate), with the "cache" collection holding
+        every layer's K/V buffers; the mask then covers all of a buffer's positions."""
         cfg, dt = self.config, compute_dtype(self.config)
         A, H, K, h = cfg.attn_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         B = x.shape[0]
@@ -105,6 +122,8 @@ class Attention(nn.Module):
             q = apply_rope(q, *rope).astype(q.dtype)
             k = apply_rope(k, *rope).astype(k.dtype)
         # upstream's maybe_quant_kv is the identity here: KV_BITS is 0 unless configure_deploy changes it (§5).
+        if cache is not None:
+            k, v = _cached_kv(self.variable("cache", "k", None), self.variable("cache", "v", None), cache, k, v)
 
         if cfg.flash:
             # cuDNN only for half precision on GPU, as upstream; elsewhere XLA's path (f32 logits and softmax).
@@ -176,11 +195,11 @@ class Block(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, mask=None, rope=None, quant=False, engram_kv=None, site_flags=None):
+    def __call__(self, x, mask=None, rope=None, quant=False, engram_kv=None, site_flags=None, cache=None):
         cfg, dt = self.config, compute_dtype(self.config)
         if engram_kv is not None:
             ek, ev = engram_kv  # (G, B, T, D) each
-            # Upstream's einsum letters (s = site): they fix the contraction order, hence bf16 rounding.
+            # Upstream's einsum strings verbatim (s = site), so jnp.einsum plans the contraction the same way.
             alpha = nn.sigmoid(jnp.einsum("btd,sbtd->sbt", rms_unit(x), rms_unit(ek)) / math.sqrt(cfg.d_model))
             # Every site is summed, weighted by whether it belongs to this layer (site_flags (G,)), in f32.
             inject = jnp.einsum("s,sbt,sbtd->btd", site_flags.astype(jnp.float32), alpha,
@@ -194,7 +213,7 @@ class Block(nn.Module):
 
         skip = x
         x = ZCRMSNorm(dtype=dt)(x)  # auto-named ZCRMSNorm_0: upstream's param name
-        x = Attention(cfg, name="self_attn")(x, mask=mask, rope=rope, quant=quant)
+        x = Attention(cfg, name="self_attn")(x, mask=mask, rope=rope, quant=quant, cache=cache)
         self.sow(PROBES, "attn_out", x)
         x = ZCRMSNorm(dtype=dt, name="post_attn_norm")(x)
         x = skip + nn.sigmoid(self.param("attn_gate", jinit.zeros, ())).astype(dt) * x
@@ -212,7 +231,7 @@ class MHCLayer(nn.Module):
     collect_hidden: bool = False
 
     @nn.compact
-    def __call__(self, x, xs, mask, rope, quant, engram_kv):
+    def __call__(self, x, xs, mask, rope, quant, engram_kv, cache=None):
         dt = compute_dtype(self.config)
         site_flags, hc = xs
         block = Block(self.config, name="block")
@@ -221,7 +240,7 @@ class MHCLayer(nn.Module):
         hpre = pre_weights(nx, hc["phi_pre"], hc["a_pre"], hc["b_pre"], hc["pre_off"])
         u = read_lanes(hpre, xf, dt)
         # The block keeps its own residuals; subtracting u in dt is upstream's rounding path (§10.6).
-        y = block(u, mask=mask, rope=rope, quant=quant, engram_kv=engram_kv, site_flags=site_flags) - u
+        y = block(u, mask=mask, rope=rope, quant=quant, engram_kv=engram_kv, site_flags=site_flags, cache=cache) - u
         hpost = post_weights(nx, hc["phi_post"], hc["a_post"], hc["b_post"], hc["post_off"])
         hres = res_weights(nx, hc["phi_res"], hc["a_res"], hc["b_res"])
         new_x = write_lanes(hres, xf, hpost, y, dt)

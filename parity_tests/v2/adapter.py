@@ -24,6 +24,7 @@ ADAPTER = Adapter(
     text_batch=inputs.text_batch,
     budgets=BUDGETS,
     lora_gradients=lora_gradient_parity,
+    prepare=runs.prepare,
     special_ids=(PAD_ID, EOS_ID, BOS_ID, UNK_ID),
     lengths=inputs.LENGTHS,
 )

@@ -22,10 +22,9 @@ from convert.v2.config import TransformerConfig
 from convert.v2.lora import Adapter, module_name
 from needle_flax.v2 import SimpleAttentionNetwork as FlaxModel
 from needle_torch.v2.peft import peft_model
-from parity_tests import metrics
-from parity_tests.gradients import TOTAL
+from parity_tests.gradients import compare_gradients
 from parity_tests.inputs import Batch
-from parity_tests.report import GradientResult, ProbeResult
+from parity_tests.report import GradientResult
 from parity_tests.twins import Twins
 from parity_tests.v2.runs import loss_arrays, torch_loss
 
@@ -90,7 +89,4 @@ def lora_gradient_parity(twins: Twins, batch: Batch, adapter: Adapter) -> Gradie
                               f"{twins.config.dtype} weights, upstream merges into them); use --dtype float32")
     loss_f, ref = flax_lora_grads(twins, batch, adapter)
     loss_t, test = torch_lora_grads(twins, batch, adapter)
-    params = [ProbeResult(name, list(ref[name].shape), metrics.compare(test[name], ref[name])) for name in ref]
-    everything = [np.concatenate([np.ravel(d[name]) for name in ref]) for d in (test, ref)]
-    total = ProbeResult(TOTAL, [int(everything[1].size)], metrics.compare(*everything))
-    return GradientResult(loss_f, loss_t, total, params)
+    return GradientResult(loss_f, loss_t, *compare_gradients(test, ref))

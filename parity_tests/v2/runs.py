@@ -35,6 +35,15 @@ def torch_model(tree: Mapping[str, Any], config: TransformerConfig, dtype: str) 
     return TorchModel.from_flax(tree, config, dtype)
 
 
+def prepare(config: TransformerConfig, dtype: str, jax_platform: str) -> tuple[TransformerConfig, str | None]:
+    """float16 with the flash path cannot run on XLA's CPU (its dot has no float16 -> float32 accumulation, and
+    upstream fails the same way): both twins then run the non-flash attention, the same function in float32."""
+    if dtype == "float16" and config.flash and jax_platform == "cpu":
+        return config.replace(flash=False), ("float16 on CPU: both twins run the non-flash attention (XLA's CPU dot "
+                                             "has no float16 -> float32 accumulation for the flash path)")
+    return config, None
+
+
 def groups(twins: Twins) -> tuple[str, ...]:
     """The optional groups both twins hold (the torch twin was built from the tree, so it has exactly those)."""
     return FAMILY.groups_in(twins.torch_model.state_dict(), TORCH, twins.config)

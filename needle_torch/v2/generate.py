@@ -1,0 +1,203 @@
+"""Cached generation for the Needle 2 torch twin (`SimpleAttentionNetwork.generate` calls this), and the reference.
+
+`generate` is upstream's cached path (NEEDLE_V2.md §6, decode.py's `batched_generate`): the
+prompts, left-padded into (B, P), go through one prefill that writes a preallocated K/V cache,
+then one token per step; RoPE reads absolute buffer positions, so left padding shifts them, as
+upstream's does. `generate_recompute` is upstream's run.py loop (the whole PAD-filled buffer of
+length P + G re-run every step, logits read at the current position): the reference the cached
+path must reproduce. Both share the contract below and one choice rule (`pick`).
+
+Shapes: B batch, P prompt length (padded), G = max_new_tokens, M = P + G buffer positions, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from convert.v2.generation import check_generate_args, prompt_validity
+from needle_torch.kernels import CompiledStep
+from needle_torch.layers import make_causal_mask
+
+Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
+
+
+def pick(logits: Tensor, done: Tensor, eos: int | Tensor, pad: int | Tensor, noise: Tensor | None = None,
+         inv_temp: float | Tensor = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """The next token of every row from float32 logits (B, V): (token (B,), done (B,), log-probability (B,)).
+
+    Greedy: argmax, the first index on ties (jnp.argmax's rule). With noise (B, V) of standard Gumbel draws: the
+    Gumbel-max form of categorical(logits · inv_temp), inv_temp = 1 / max(temperature, 1e-6) as upstream's.
+    Rows already done take `pad` and log-probability 0. The log-probability is log_softmax of the *unscaled*
+    logits at the chosen token, as upstream's batched path reports it. eos, pad: ints or 0-d int64 tensors
+    (graph inputs under torch.compile); eos -1 never matches (no early stop)."""
+    scores = logits if noise is None else logits * inv_temp + noise
+    nxt = scores.argmax(dim=-1)  # (B,)
+    logp = logits.log_softmax(dim=-1).gather(-1, nxt[:, None])[:, 0]  # (B,)
+    nxt = torch.where(done, pad, nxt)
+    return nxt, done | (nxt == eos), torch.where(done, 0.0, logp)
+
+
+def _step_and_pick(model: nn.Module, token: Tensor, cache, pos: int | Tensor, done: Tensor, eos: Tensor,
+                   pad: Tensor, noise: Tensor | None, inv_temp: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One cached step and its choice, one graph for torch.compile: (logits (B, V), next (B,), done, logp)."""
+    logits = model.decode_step(token, cache, pos)[:, 0]  # (B, V)
+    return (logits, *pick(logits, done, eos, pad, noise, inv_temp))
+
+
+class _Sampler:
+    """Gumbel noise for temperature sampling from a seeded torch.Generator (None: greedy, no noise).
+
+    Drawn on the host side of the step (one (B, V) uniform draw per step), so eager, compiled and recompute runs
+    with one seed draw the same noise and choose the same tokens. torch's stream is not JAX's: sampled tokens
+    match upstream's only in distribution, never token for token."""
+
+    def __init__(self, temperature: float, seed: int | None, shape: tuple[int, int], device: torch.device):
+        self.shape, self.device = shape, device
+        self.generator = None
+        if temperature > 0:
+            self.generator = torch.Generator(device=device)
+            # seed None: drawn from torch's global generator, so torch.manual_seed makes a run repeatable too.
+            self.generator.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else int(seed))
+        self.inv_temp = torch.tensor(1.0 / max(float(temperature), 1e-6), device=device)
+
+    def noise(self) -> Tensor | None:
+        if self.generator is None:
+            return None
+        u = torch.rand(self.shape, generator=self.generator, device=self.device)  # [0, 1): u = 0 gives -inf
+        return -torch.log(-torch.log(u))
+
+
+Advance = Callable[[int, Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor, Tensor, Tensor]]
+
+
+def _loop(advance: Advance, sampler: _Sampler, B: int, G: int, device: torch.device, eos: int, pad: int,
+          streamer: Streamer | None, return_logits: bool, return_logprobs: bool):
+    """Up to G choices; advance(t, out, done, noise) gives (logits (B, V), next, done, logp) for new token t, out
+    (B, G) holding the tokens before it. The loop ends early once every row has chosen EOS; the tokens after a
+    row's EOS are `pad`."""
+    out = torch.full((B, G), pad, dtype=torch.long, device=device)  # (B, G)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    logits_steps, logp_steps = [], []
+    for t in range(G):
+        logits, nxt, done, logp = advance(t, out, done, sampler.noise())
+        out[:, t] = nxt
+        if return_logits:
+            logits_steps.append(logits)
+        if return_logprobs:
+            logp_steps.append(logp)
+        if streamer is not None:
+            streamer(nxt.cpu())
+        if eos >= 0 and bool(done.all()):  # one host sync per step; the streamer needs the tokens anyway
+            break
+    extra = []
+    if return_logits:
+        extra.append(torch.stack(logits_steps, dim=1))  # (B, steps, V) float32
+    if return_logprobs:
+        extra.append(torch.stack(logp_steps, dim=1))  # (B, steps) float32
+    return (out, *extra) if extra else out
+
+
+def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, sink, temperature, seed, eos_token_id,
+             pad_token_id) -> tuple[Tensor, Tensor, Tensor | None, _Sampler, int]:
+    """Checked inputs on the model's device: (prompts (B, P) int64, valid (B, M), sink (B, M) or None, sampler,
+    eos id (-1: none)). The arguments are checked as given, before any conversion."""
+    prompts = check_generate_args(model.config, tokens, max_new_tokens, kv_window, sink, temperature, seed,
+                                  eos_token_id, pad_token_id)
+    B, P = prompts.shape
+    G = int(max_new_tokens)
+    device = model.device
+    valid = torch.from_numpy(prompt_validity(prompts, pad_token_id)).to(device)
+    valid = F.pad(valid, (0, G), value=True)  # (B, M): every generated position is valid
+    if sink is not None:
+        sink = F.pad(torch.as_tensor(sink, device=device) != 0, (0, G))  # (B, M): generated positions are no sinks
+    sampler = _Sampler(float(temperature), seed, (B, model.config.vocab_size), device)
+    eos = -1 if eos_token_id is None else int(eos_token_id)
+    return torch.from_numpy(prompts).to(device), valid, sink, sampler, eos
+
+
+@torch.inference_mode()
+def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: int = 0, temperature: float = 0.0,
+             seed: int | None = None, sink=None, eos_token_id: int | None = 1, pad_token_id: int = 0,
+             return_logits: bool = False, return_logprobs: bool = False, streamer: Streamer | None = None,
+             compile: bool = False):
+    """Cached generation: the new tokens LongTensor (B, max_new_tokens), plus (logits, logprobs) on request.
+
+    tokens: (B, P) prompts (BOS included), left-padded with pad_token_id as upstream's batched path lays them out;
+    validity runs from each row's first non-pad token on (upstream's `valid`: the attention's key_valid and the
+    engram's hist_valid). P + max_new_tokens <= config.max_seq_len. Prefill is one pass over the padded prompts
+    with the mask (causal ∧ valid) ∨ diagonal (upstream's flash prefill: pad rows see themselves); each step
+    then attends over the cache. Runs in the model's dtype and on its device (CPU or CUDA; the code is
+    device-agnostic, only CPU is tested here); upstream's own decode always runs in float32.
+    kv_window: attention sees the last kv_window positions (the query's own included) plus the `sink` positions
+    ((B, P) bool over the prompts); as upstream's decode.py the window touches the attention only, never the
+    engram, whose n-grams and taps read the token history of W = 4·max(O) positions with validity alone. Below
+    upstream's agreement limit (kv_window <= 3·max(O), 9 for orders (2, 3)) this therefore differs from
+    upstream's forward with a windowed mask, which also windows the engram (NEEDLE_V2.md §6, differences 2): it
+    follows decode.py, the cached path upstream ships.
+    temperature: 0 is greedy (argmax, ties to the first index); above 0, categorical(logits / max(T, 1e-6))
+    through Gumbel noise from a torch.Generator seeded with `seed` (None: a seed from torch's global generator).
+    torch's random stream cannot reproduce JAX's `categorical`: sampled tokens follow upstream's distribution,
+    not its draws; greedy tokens are upstream's exactly. Each row stops at its first eos_token_id (kept; None:
+    never) and holds pad_token_id after it; the loop ends when every row has stopped.
+    return_logits: also the float32 logits (B, steps, V) each token was chosen from (steps <= max_new_tokens:
+    fewer when every row stopped early); return_logprobs: the chosen tokens' log_softmax of the *unscaled*
+    logits (B, steps), 0 after a row's EOS. The result is (tokens, logits, logprobs) with the requested ones.
+    streamer: called with each step's (B,) tokens on the CPU, in order.
+    compile: every step and its choice as one torch.compile graph (a 0-d position tensor and a static cache, so
+    one graph serves every step; the prefill stays eager). On CPU, steps of <= kernels.REDUCE_MAX_ROWS rows write
+    their products as fused reductions. Compiles once per (batch, buffer length, dtype, greedy or sampled).
+    """
+    prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, temperature,
+                                                  seed, eos_token_id, pad_token_id)
+    B, P = prompts.shape
+    G, device = int(max_new_tokens), model.device
+    cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=compile)
+    prefill = model.decode_step(prompts, cache, 0, last_only=True)[:, 0]  # (B, V) float32: chooses token 0
+    # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).
+    eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
+    step = CompiledStep(_step_and_pick) if compile else _step_and_pick
+    positions = torch.arange(P, P + G, device=device) if compile else range(P, P + G)
+
+    def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):
+        if t == 0:
+            return (prefill, *pick(prefill, done, eos_t, pad_t, noise, sampler.inv_temp))
+        # feed token t - 1 at position P + t - 1
+        return step(model, out[:, t - 1:t], cache, positions[t - 1], done, eos_t, pad_t, noise, sampler.inv_temp)
+
+    return _loop(advance, sampler, B, G, device, eos, pad_token_id, streamer, return_logits, return_logprobs)
+
+
+@torch.inference_mode()
+def generate_recompute(model: nn.Module, tokens, max_new_tokens: int = 64, *, temperature: float = 0.0,
+                       seed: int | None = None, eos_token_id: int | None = 1, pad_token_id: int = 0,
+                       return_logits: bool = False, return_logprobs: bool = False,
+                       streamer: Streamer | None = None):
+    """Upstream's run.py loop, the reference: the model's forward on a PAD-filled buffer (B, P + G) re-run for
+    every new token, the logits read at the current position. Same contract and results as `generate` (no
+    kv_window: run.py has none).
+
+    The mask is upstream's causal one; for left-padded rows it is (causal ∧ valid) ∨ diagonal, the cached
+    path's, so pad keys stay unseen (for unpadded prompts the two are the same mask). The positions after the
+    current one hold pads that the causal mask hides, as in run.py."""
+    prompts, valid, _, sampler, eos = _prepare(model, tokens, max_new_tokens, 0, None, temperature, seed,
+                                               eos_token_id, pad_token_id)
+    B, P = prompts.shape
+    G, device = int(max_new_tokens), model.device
+    M = P + G
+    buf = F.pad(prompts, (0, G), value=pad_token_id)  # (B, M)
+    causal = make_causal_mask(M, device)  # (1, 1, M, M)
+    eye = torch.eye(M, dtype=torch.bool, device=device)[None, None]  # (1, 1, M, M)
+    mask = causal if bool(valid.all()) else (causal & valid[:, None, None, :]) | eye  # (B|1, 1, M, M)
+    eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
+
+    def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):
+        if t:
+            buf[:, P + t - 1] = out[:, t - 1]
+        logits = model(buf, mask)[:, P - 1 + t]  # (B, V) float32
+        return (logits, *pick(logits, done, eos_t, pad_t, noise, sampler.inv_temp))
+
+    return _loop(advance, sampler, B, G, device, eos, pad_token_id, streamer, return_logits, return_logprobs)
