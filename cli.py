@@ -459,59 +459,102 @@ def quant_command(
     raise typer.Exit(report.exit_code)
 
 
-# --- generate command (issue 5) ---
+# --- generate command ---
 
 
 @app.command("generate")
 @guarded
 def generate_command(
-    ckpt: Annotated[str, typer.Argument(help="Checkpoint to run (any format `needle-twin inspect` reads).")],
+    ckpt: Annotated[str, typer.Argument(help="Checkpoint to run (any format `needle-twin inspect` reads, .cact too); "
+                                             "the family is read from the file.")],
     tokens: Annotated[Optional[str], typer.Option(
-        "--tokens", help="Encoder input as token ids, e.g. '391 385 418' (or comma-separated).")] = None,
+        "--tokens", help="The input as token ids, e.g. '2 391 385' (or comma-separated): v1's encoder input; "
+                         "Needle 2's prompt, used as given (upstream's prompts start with BOS, id 2).")] = None,
     query: Annotated[Optional[str], typer.Option("--query", help="Query text (needs --tokenizer).")] = None,
-    tools: Annotated[str, typer.Option("--tools", help="Tools as a JSON string, put after <tools>.")] = "[]",
+    tools: Annotated[Optional[str], typer.Option(
+        "--tools", help="The tools: a JSON list, inline or a .json file (Needle 2), or a JSON string (v1). Default "
+                        "[].")] = None,
+    system: Annotated[Optional[str], typer.Option(
+        "--system", help="Needle 2: a system turn before the user turn, as upstream renders it.")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(
         "--tokenizer", help="SentencePiece .model: encodes --query/--tools and decodes the output to text.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="torch (cached KV) or flax (jitted cached loop).")
                        ] = "torch",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Stop after this many tokens.")
-                              ] = 64,
+    max_new_tokens: Annotated[Optional[int], typer.Option(
+        "--max-new-tokens", min=1, help="Stop after this many tokens (default: upstream's, 96 for Needle 2 as "
+                                        "generate_cached, 64 for v1).")] = None,
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", help="Compute dtype: float32, bfloat16, float16 (default: the checkpoint config's).")] = None,
+    kv_window: Annotated[int, typer.Option(
+        "--kv-window", min=0, help="Needle 2: attention sees the last W positions (plus sinks); 0 = all, as "
+                                   "upstream's generate_cached defaults.")] = 0,
+    sink_tools: Annotated[bool, typer.Option(
+        "--sink-tools", help="Needle 2 with --kv-window: keep the prompt up to </tools> visible as sinks "
+                             "(upstream's generate_cached pins none).")] = False,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", min=0.0, help="Needle 2: 0 = greedy (upstream's default); above 0, sample from "
+                                       "softmax(logits / T).")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Needle 2: the sampling seed (with --temperature).")
+                    ] = None,
     suppress: Annotated[Optional[str], typer.Option(
-        "--suppress", help="Token ids never to choose, e.g. '0 2 3'.")] = None,
+        "--suppress", help="v1: token ids never to choose, e.g. '0 2 3'.")] = None,
     max_enc_len: Annotated[Optional[int], typer.Option(
-        "--max-enc-len", min=2, help="Truncate --query/--tools to this many encoder tokens, as upstream does.")
+        "--max-enc-len", min=2, help="v1: truncate --query/--tools to this many encoder tokens, as upstream does.")
                            ] = None,
     compile: Annotated[bool, typer.Option(
-        "--compile", help="torch: fuse the decoder step with torch.compile (bf16 batch 1: 2.35 ms a step against "
-                          "10.5 eager; the first call compiles for 5-30 s on 2 cores, cached on disk after).")] = False,
+        "--compile", help="torch: each decoding step as one torch.compile graph (the first call compiles, "
+                          "5-30 s on 2 cores, cached on disk after).")] = False,
 ) -> None:
-    """Greedy-decode from EOS with the cached decoder, printing tokens as they come (text too with --tokenizer)."""
+    """Decode with the cached decoder, printing tokens as they come (text too with --tokenizer; Needle 2 also
+    prints the tool call it finds)."""
+    from convert.errors import GenerationError
+    from convert.io import read_checkpoint
+
+    if (tokens is None) == (query is None):
+        raise GenerationError("give exactly one input: --tokens IDS, or --query TEXT with --tokenizer PATH")
+    if query is not None and tokenizer is None:
+        raise GenerationError("--query needs --tokenizer PATH (the SentencePiece .model) to become token ids")
+    checkpoint = read_checkpoint(ckpt)
+    family = checkpoint.family
+    if family.name == "v1":
+        _refuse_options(family.title, {"--kv-window": kv_window, "--sink-tools": sink_tools,
+                                       "--temperature": temperature, "--seed": seed, "--system": system})
+        _generate_v1(checkpoint, tokens, query, tools, tokenizer, backend, max_new_tokens or 64, dtype, suppress,
+                     max_enc_len, compile)
+    else:
+        _refuse_options(family.title, {"--suppress": suppress, "--max-enc-len": max_enc_len})
+        _generate_v2(checkpoint, tokens, query, tools, system, tokenizer, backend, max_new_tokens or 96, dtype,
+                     kv_window, sink_tools, temperature, seed, compile)
+
+
+def _refuse_options(title: str, given: dict) -> None:
+    """Options another family's decoding takes, given here: one line naming them."""
+    wrong = [name for name, value in given.items() if value not in (None, False, 0, 0.0)]
+    if wrong:
+        raise NeedleTwinError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to {title} "
+                              "generation; drop it")
+
+
+def _generate_v1(checkpoint, tokens, query, tools, tokenizer, backend, max_new_tokens, dtype, suppress,
+                 max_enc_len, compile) -> None:
     import time
 
     from convert.errors import GenerationError
     from convert.generation import parse_token_ids
-    from convert.io import read_checkpoint
     from parity_tests.v1.runs import generate_from_checkpoint
 
-    if (tokens is None) == (query is None):
-        raise GenerationError("give exactly one encoder input: --tokens IDS, or --query TEXT with --tokenizer PATH")
-    if query is not None and tokenizer is None:
-        raise GenerationError("--query needs --tokenizer PATH (the SentencePiece .model) to become token ids")
     tok = None
     if tokenizer is not None:
         from convert.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer)
-    checkpoint = read_checkpoint(ckpt)
     if tok is not None and tok.get_piece_size() > checkpoint.config.vocab_size:
         raise GenerationError(f"{tokenizer} has {tok.get_piece_size()} pieces but the model's vocabulary has "
                               f"{checkpoint.config.vocab_size}; use the tokenizer this model was trained with")
     if query is not None:
         from convert.tokenizer import build_encoder_input, check_tools_json
 
-        src_ids = build_encoder_input(tok, query, check_tools_json(tools), max_len=max_enc_len)
+        src_ids = build_encoder_input(tok, query, check_tools_json(tools or "[]"), max_len=max_enc_len)
     else:
         src_ids = parse_token_ids(tokens)
     suppress_ids = parse_token_ids(suppress) if suppress else None
@@ -544,6 +587,74 @@ def generate_command(
     note = "; includes jit compilation" if backend == "flax" or compile else ""
     typer.echo(f"{len(ids) - 1} tokens in {seconds:.2f}s ({backend}, {dtype or checkpoint.config.dtype}, "
                f"{len(src_ids)} encoder tokens{note})", err=True)
+
+
+def _generate_v2(checkpoint, tokens, query, tools, system, tokenizer, backend, max_new_tokens, dtype, kv_window,
+                 sink_tools, temperature, seed, compile) -> None:
+    import time
+
+    from convert.errors import GenerationError
+    from convert.generation import parse_token_ids
+    from convert.v2 import chat
+    from parity_tests.v2.runs import generate_from_checkpoint
+
+    config = checkpoint.config
+    tok = None if tokenizer is None else chat.load_chat_tokenizer(tokenizer, vocab_size=config.vocab_size)
+    if query is not None:
+        if tools is not None and tools.lstrip().startswith(("[", "{")):
+            # parsed, then written compact by render_prompt: as upstream renders the tools it trained on
+            tool_list = json.loads(chat.tools_json(tools))
+        else:
+            tool_list = None if tools is None else chat.load_tools(tools)
+        prompt = chat.prompt_ids(tok, chat.render_prompt(query, tool_list, system),
+                                 chat.generate_cached_cap(config.max_seq_len))
+    else:
+        if tools is not None or system is not None:
+            raise GenerationError("--tools and --system are rendered into a --query prompt; with --tokens give the "
+                                  "whole prompt as ids")
+        prompt = parse_token_ids(tokens)
+    sink = None
+    if sink_tools:
+        if not kv_window:
+            raise GenerationError("--sink-tools pins positions that --kv-window would hide; give --kv-window W too")
+        end = chat.MARKER_IDS[chat.TOOLS_END]
+        if end not in prompt:
+            raise GenerationError(f"--sink-tools: the prompt has no </tools> (id {end}) to pin up to; render it "
+                                  "with --query (and --tools), or drop --sink-tools")
+        last = prompt.index(end)
+        sink = [i <= last for i in range(len(prompt))]
+    if seed is not None and not temperature:
+        raise GenerationError("--seed draws samples, but --temperature is 0 (greedy); give --temperature T > 0")
+
+    stream = chat.TextStream(tok) if tok is not None else None
+    generated: list[int] = []
+
+    def emit(token: int) -> None:
+        generated.append(token)
+        sys.stdout.write(stream.feed(token) if stream is not None else f"{token} ")
+        sys.stdout.flush()
+
+    start = time.perf_counter()
+    ids = generate_from_checkpoint(checkpoint, prompt, backend=backend, dtype=dtype, max_new_tokens=max_new_tokens,
+                                   kv_window=kv_window, sink=sink, temperature=temperature, seed=seed,
+                                   streamer=emit, compile=compile)
+    seconds = time.perf_counter() - start
+    if stream is not None:
+        sys.stdout.write(stream.finish())
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if tok is not None:
+        typer.echo("ids: " + " ".join(map(str, ids)))
+        found = chat.extract_tool_call(stream.text)
+        if found.ok:
+            calls = [{"name": c.name, "arguments": c.arguments} for c in found.calls]
+            typer.echo("tool call: " + json.dumps(calls, ensure_ascii=False))
+        else:
+            typer.echo(f"no tool call: {found.reason}", err=True)
+    note = "; includes jit compilation" if backend == "flax" or compile else ""
+    window = f", kv_window {kv_window}" + (f" with {sum(sink)} sinks" if sink else "") if kv_window else ""
+    typer.echo(f"{len(ids)} tokens in {seconds:.2f}s ({backend}, {dtype or config.dtype}, {len(prompt)} prompt "
+               f"tokens{window}{note})", err=True)
 
 
 def main() -> None:

@@ -1,18 +1,113 @@
-"""Torch-only speed code: products written as reductions under torch.compile, and the compiled-step wrapper.
+"""Torch-only speed code: bf16 products picked by CPU capability, reductions under torch.compile, compiled steps.
 
-Nothing here changes what a model computes, only how: the reduction form equals the library
+Nothing here changes what a model computes, only how: a bf16 product is float32 products and
+sums rounded once to bf16 whichever kernel computes it, the reduction form equals the library
 matmul up to the order of the float32 sum, and a compiled step is the eager step traced once.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+# ----------------------------------------------------------------------------- bf16 products by CPU capability
+
+# CPUs whose bf16 products oneDNN runs in hardware (AVX512-BF16 dot products, AMX tiles). Elsewhere (AVX2 or plain
+# AVX-512) it emulates them: on an AVX2-only EPYC a (256, 512) x (512, 512) bf16 product took 7.1 ms against
+# 1.3 ms in float32, 1.4 ms upcast (0.6 ms native here). XLA upcasts on such CPUs, and so does the "upcast" path.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# oneDNN's ISA names in order (ONEDNN_MAX_CPU_ISA caps the kernels it dispatches to); bf16 units from here on.
+_ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+                "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
+                "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL", "DEFAULT")
+BF16_PATH_ENV = "NEEDLE_TWIN_BF16"  # "native" or "upcast": force a path (benchmarks compare both on one CPU)
+
+
+@dataclass(frozen=True)
+class Bf16Path:
+    """How bf16 products run on this CPU: natively (library bf16 kernels) or upcast (float32 kernels on
+    upcast operands, rounded once to bf16: the same function, since a bf16 product accumulates in float32)."""
+
+    native: bool
+    reason: str
+    features: tuple[str, ...]  # the CPU's bf16-relevant flags and ISA caps found
+
+    @property
+    def name(self) -> str:
+        return "native" if self.native else "upcast"
+
+    def __str__(self) -> str:
+        return f"bf16 products {self.name}: {self.reason}"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags: /proc/cpuinfo on Linux, else torch's own cpuinfo report."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    report = getattr(torch.cpu, "get_capabilities", lambda: {})()
+    return {name for name, on in report.items() if on is True}
+
+
+def decide_bf16_path(environ: Mapping[str, str], flags: set[str], aten: str) -> Bf16Path:
+    """The rule of bf16_path, given the environment, the CPU's flags and ATen's CPU capability."""
+    units = tuple(f for f in NATIVE_BF16_FLAGS if f in flags)
+    onednn = (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    features = (*units, f"aten={aten}", *([f"onednn<={onednn}"] if onednn else []))
+    forced = environ.get(BF16_PATH_ENV, "").lower()
+    if forced in ("native", "upcast"):
+        return Bf16Path(forced == "native", f"forced by {BF16_PATH_ENV}={forced}", features)
+    if not units:
+        return Bf16Path(False, f"the CPU has none of {'/'.join(NATIVE_BF16_FLAGS)}, so library bf16 kernels would "
+                               "emulate them; float32 kernels on upcast operands", features)
+    if onednn in _ONEDNN_ISAS and _ONEDNN_ISAS.index(onednn) < _ONEDNN_ISAS.index("AVX512_CORE_BF16"):
+        return Bf16Path(False, f"ONEDNN_MAX_CPU_ISA={onednn} keeps oneDNN below its bf16 kernels", features)
+    if aten != "AVX512":
+        return Bf16Path(False, f"ATEN_CPU_CAPABILITY caps ATen at {aten}", features)
+    return Bf16Path(True, f"{'/'.join(units)} found: oneDNN runs bf16 products in hardware", features)
+
+
+@functools.cache
+def bf16_path() -> Bf16Path:
+    """Which kernels bf16 products take on the CPU, and why (decided once per process, before any compile).
+
+    Native when the CPU has bf16 units (avx512_bf16 or amx_bf16) and nothing caps the ISA below them:
+    ONEDNN_MAX_CPU_ISA (oneDNN's kernels) and ATEN_CPU_CAPABILITY (ATen's and inductor's vector code) are
+    honoured, so `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` makes this machine behave as an AVX2-only one.
+    NEEDLE_TWIN_BF16=native|upcast forces a path. Products on other devices always take the library kernels."""
+    return decide_bf16_path(os.environ, cpu_flags(), torch.backends.cpu.get_cpu_capability())
+
+
+@torch.compiler.assume_constant_result
+def _native_bf16() -> bool:
+    return bf16_path().native  # a constant to torch.compile: it never traces the /proc/cpuinfo read
+
+
+def upcasts(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a product in `dtype` on `device` runs as float32 kernels on upcast operands (see bf16_path)."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and not _native_bf16()
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b in their dtype, through float32 kernels where bf16 products would be emulated (bf16_path)."""
+    if upcasts(a.dtype, a.device):
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
+
+
+# ----------------------------------------------------------------------------- reductions under compile
 
 # Under torch.compile on CPU, a product with at most this many rows (a decode step's few tokens) is written
 # as a multiply-and-sum. Inductor then fuses it with the ops around it into one vectorised pass that reads
@@ -41,14 +136,18 @@ def matmul_nt(a: Tensor, b: Tensor, dtype: torch.dtype, reduce: bool = False) ->
     """
     if reduce:
         return (a.float()[..., :, None, :] * b.float()[..., None, :, :]).sum(-1).to(dtype)
-    return torch.matmul(a.to(dtype), b.to(dtype).transpose(-1, -2))
+    return matmul(a.to(dtype), b.to(dtype).transpose(-1, -2))
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) whose few-row products under torch.compile are reductions."""
+    """nn.Linear (same parameters and state dict) whose few-row products under torch.compile are reductions and
+    whose bf16 products are upcast where the CPU has no bf16 units (bf16_path)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not as_reduction(x.shape[:-1].numel(), x.device):
+            if upcasts(x.dtype, x.device) and self.weight.dtype == x.dtype:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
             return F.linear(x, self.weight, self.bias)
         y = matmul_nt(x[..., None, :], self.weight, torch.float32, reduce=True)[..., 0, :]  # (..., O) float32
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
@@ -76,11 +175,12 @@ RECOMPILE_LIMIT_HIT = ("torch.compile reached its recompile limit in this proces
 _compiled: dict[Callable, Callable] = {}
 
 
-def compiled(fn: Callable) -> Callable:
+def compiled(fn: Callable, options: dict | None = None) -> Callable:
     """`fn` under torch.compile (one wrapper per function; graphs cached per shapes, dtypes and None-ness of its
-    arguments, up to torch._dynamo.config.recompile_limit: past it, `call_compiled` runs eagerly and warns)."""
+    arguments, up to torch._dynamo.config.recompile_limit: past it, `call_compiled` runs eagerly and warns).
+    options: inductor settings for this function's graphs (the first call's options stay with `fn`)."""
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+        _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     return _compiled[fn]
 
 
@@ -94,8 +194,8 @@ class CompiledStep:
     """Calls `fn` compiled, the first call guarded (it compiles or picks the graph), later calls without guard
     evaluation; past dynamo's recompile limit the whole request runs `fn` eagerly with a CompileFallbackWarning."""
 
-    def __init__(self, fn: Callable) -> None:
-        self.fn, self._compiled, self._calls = fn, compiled(fn), 0
+    def __init__(self, fn: Callable, options: dict | None = None) -> None:
+        self.fn, self._compiled, self._calls = fn, compiled(fn, options), 0
 
     def __call__(self, *args):
         self._calls += 1

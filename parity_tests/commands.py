@@ -120,9 +120,10 @@ def parity(flax_ckpt: str | None = None, *, torch_ckpt: str | None = None, famil
     """Load, run the engine, write the requested files; returns the judged report.
 
     Defaults are the CLI's (gradients on, 8 greedy steps). suppress_special: keep greedy generation off the
-    family's special ids; None = only for the embedded random model, whose tied output otherwise echoes the fed
-    token (EOS) and stops at step 0. lora: an adapter file or PEFT directory for the checkpoint: its A/B gradients
-    (Flax: upstream's merge inside the loss; torch: PEFT) are compared too.
+    family's special ids (v1's; Needle 2's decoding suppresses none); None = only for the embedded random v1 model,
+    whose tied output otherwise echoes the fed token (EOS) and stops at step 0. lora: an adapter file or PEFT
+    directory for the checkpoint: its A/B gradients (Flax: upstream's merge inside the loss; torch: PEFT) are
+    compared too.
     """
     check_choice("--dtype", dtype, DTYPES)
     check_choice("--mode", mode, MODES)
@@ -157,7 +158,10 @@ def parity(flax_ckpt: str | None = None, *, torch_ckpt: str | None = None, famil
     if flax_ckpt is None:
         seeds["model"] = EMBEDDED_MODEL_SEED
     if suppress_special is None:
-        suppress_special = flax_ckpt is None
+        suppress_special = flax_ckpt is None and bool(adapter.special_ids)
+    elif suppress_special and not adapter.special_ids:
+        raise NeedleTwinError(f"--suppress-special: {family_named(adapter.family).title} decoding suppresses no ids "
+                              "(upstream's has none); drop it")
     report = run_parity(config, flax_params, data, torch_params=torch_params, dtype=dtype, mode=mode,
                         profile=profile, torch_device_name=torch_device, jax_platform=jax_platform,
                         pin_precision=pin_precision, grads=grads, generate=generate,

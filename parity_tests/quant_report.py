@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity_tests.outputs import CSS, finite, json_safe
 from parity_tests.report import ReportError
 
 SCHEMA = "needle-twin/quant-report"
@@ -102,24 +103,24 @@ class QuantReport:
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
             "passed": self.passed,
-            "checks": _json_safe(self.checks),
+            "checks": json_safe(self.checks),
             "thresholds": self.thresholds.to_dict(),
             "worst": {"layer": None if worst_layer is None else worst_layer["layer"],
                       "tensor": None if worst_tensor is None else worst_tensor["name"]},
-            "quantized": _json_safe(self.quantized),
-            "positions": _json_safe(self.positions),
-            "kld": _json_safe(self.kld),
-            "same_top1": _finite(self.same_top1),
-            "top5": _finite(self.top5),
-            "rms_dp": _finite(self.rms_dp),
-            "logits_max_rel": _finite(self.logits_max_rel),
-            "greedy": _json_safe(self.greedy),
-            "per_layer": _json_safe(self.per_layer),
-            "per_tensor": _json_safe(self.per_tensor),
-            "attribution": _json_safe(self.attribution),
-            "inputs": _json_safe(self.inputs),
-            "model": _json_safe(self.model),
-            "environment": _json_safe(self.environment),
+            "quantized": json_safe(self.quantized),
+            "positions": json_safe(self.positions),
+            "kld": json_safe(self.kld),
+            "same_top1": finite(self.same_top1),
+            "top5": finite(self.top5),
+            "rms_dp": finite(self.rms_dp),
+            "logits_max_rel": finite(self.logits_max_rel),
+            "greedy": json_safe(self.greedy),
+            "per_layer": json_safe(self.per_layer),
+            "per_tensor": json_safe(self.per_tensor),
+            "attribution": json_safe(self.attribution),
+            "inputs": json_safe(self.inputs),
+            "model": json_safe(self.model),
+            "environment": json_safe(self.environment),
             "notes": list(self.notes),
         }
 
@@ -156,23 +157,6 @@ def _num(value: Any) -> float:
     return math.inf if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no NaN/inf: a non-finite figure is written as null (and fails any threshold)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy scalar
-        value = value.item()
-    if hasattr(value, "tolist"):  # numpy array
-        return _json_safe(value.tolist())
-    return _finite(value)
 
 
 # ----------------------------------------------------------------------------- judging
@@ -356,18 +340,6 @@ def render_terminal(report: QuantReport, console=None, top_tensors: int = 8) -> 
 
 # ----------------------------------------------------------------------------- HTML
 
-_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1100px;color:#1d232a}
-h1{font-size:1.4em;margin:0 0 .3em} h2{font-size:1.1em;margin:1.6em 0 .5em}
-.verdict{display:inline-block;padding:.25em .7em;border-radius:4px;color:#fff;font-weight:600}
-.pass{background:#1a7f37} .fail{background:#cf222e} .info{background:#57606a}
-table{border-collapse:collapse;width:100%;font-size:12.5px}
-th,td{padding:3px 8px;border-bottom:1px solid #e3e6ea;text-align:right;white-space:nowrap}
-th{background:#f4f6f8} td.name,th.name{text-align:left;font-family:ui-monospace,Menlo,Consolas,monospace}
-tr.worst td{background:#cf222e;color:#fff;font-weight:600}
-pre{background:#f4f6f8;padding:8px;overflow:auto;font-size:12px} .muted{color:#57606a}
-svg text{font:10px ui-monospace,Menlo,Consolas,monospace;fill:#1d232a}
-"""
 _BITS_COLOURS = {1.58: "#8250df", 2: "#cf222e", 3: "#bc4c00", 4: "#0969da"}
 
 
@@ -468,7 +440,7 @@ def render_html(report: QuantReport) -> str:
     q = report.quantized
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>needle-twin quant: {html.escape(scheme_line(report))}</title><style>{_CSS}</style></head><body>",
+        f"<title>needle-twin quant: {html.escape(scheme_line(report))}</title><style>{CSS}</style></head><body>",
         f"<h1>needle-twin quant {badge}</h1>",
         f'<p class="muted">{html.escape(scheme_line(report))} · {html.escape(str(report.environment.get("dtype")))} · '
         f"{html.escape(verdict_text(report))}</p>",
@@ -490,10 +462,10 @@ def render_html(report: QuantReport) -> str:
     ]
     if report.greedy is not None:
         parts += ["<h2>Greedy decoding</h2>", f"<p>{html.escape(greedy_line(report.greedy))}</p>"]
-    parts += ["<h2>Quantized model</h2>", f"<pre>{html.escape(json.dumps(_json_safe(q), indent=1))}</pre>",
-              "<h2>Inputs</h2>", f"<pre>{html.escape(json.dumps(_json_safe(report.inputs), indent=1))}</pre>",
-              "<h2>Model</h2>", f"<pre>{html.escape(json.dumps(_json_safe(report.model), indent=1))}</pre>",
-              "<h2>Environment</h2>", f"<pre>{html.escape(json.dumps(_json_safe(report.environment), indent=1))}</pre>"]
+    parts += ["<h2>Quantized model</h2>", f"<pre>{html.escape(json.dumps(json_safe(q), indent=1))}</pre>",
+              "<h2>Inputs</h2>", f"<pre>{html.escape(json.dumps(json_safe(report.inputs), indent=1))}</pre>",
+              "<h2>Model</h2>", f"<pre>{html.escape(json.dumps(json_safe(report.model), indent=1))}</pre>",
+              "<h2>Environment</h2>", f"<pre>{html.escape(json.dumps(json_safe(report.environment), indent=1))}</pre>"]
     if report.notes:
         parts += ["<h2>Notes</h2>", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>"]
     parts.append("</body></html>")

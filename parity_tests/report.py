@@ -17,6 +17,7 @@ from typing import Any
 
 from convert.errors import NeedleTwinError
 from parity_tests.metrics import max_rel_of
+from parity_tests.outputs import CSS, finite, json_safe
 from parity_tests.tolerances import Profile, judge
 
 SCHEMA = "needle-twin/parity-report"
@@ -44,7 +45,7 @@ class ProbeResult:
         return "kl_max" in self.metrics
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), **{k: _finite(v) for k, v in self.metrics.items()},
+        return {"name": self.name, "shape": list(self.shape), **{k: finite(v) for k, v in self.metrics.items()},
                 "tolerance": dict(self.tolerance), "passed": self.passed}
 
     @classmethod
@@ -65,8 +66,8 @@ class GradientResult:
     first_failure: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "first_failure": self.first_failure, "loss_flax": _finite(self.loss_flax),
-                "loss_torch": _finite(self.loss_torch), "total": self.total.to_dict(),
+        return {"passed": self.passed, "first_failure": self.first_failure, "loss_flax": finite(self.loss_flax),
+                "loss_torch": finite(self.loss_torch), "total": self.total.to_dict(),
                 "params": [p.to_dict() for p in self.params]}
 
     @classmethod
@@ -109,10 +110,10 @@ class Report:
             "probes": [p.to_dict() for p in self.probes],
             "gradients": None if self.gradients is None else self.gradients.to_dict(),
             "lora_gradients": None if self.lora_gradients is None else self.lora_gradients.to_dict(),
-            "generation": _json_safe(self.generation),
-            "inputs": _json_safe(self.inputs),
-            "model": _json_safe(self.model),
-            "environment": _json_safe(self.environment),
+            "generation": json_safe(self.generation),
+            "inputs": json_safe(self.inputs),
+            "model": json_safe(self.model),
+            "environment": json_safe(self.environment),
             "notes": list(self.notes),
         }
 
@@ -141,23 +142,6 @@ class Report:
                               "or edited; re-run `needle-twin parity --json`") from None
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no NaN/inf: non-finite metrics are written as null (and never pass)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy scalar
-        value = value.item()
-    if hasattr(value, "tolist"):  # numpy array
-        return _json_safe(value.tolist())
-    return _finite(value)
 
 
 # ----------------------------------------------------------------------------- judging
@@ -335,19 +319,6 @@ def generation_line(gen: Mapping[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- HTML
 
-_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1100px;color:#1d232a}
-h1{font-size:1.4em;margin:0 0 .3em} h2{font-size:1.1em;margin:1.6em 0 .5em}
-.verdict{display:inline-block;padding:.25em .7em;border-radius:4px;color:#fff;font-weight:600}
-.pass{background:#1a7f37} .fail{background:#cf222e}
-table{border-collapse:collapse;width:100%;font-size:12.5px}
-th,td{padding:3px 8px;border-bottom:1px solid #e3e6ea;text-align:right;white-space:nowrap}
-th{background:#f4f6f8} td.name,th.name{text-align:left;font-family:ui-monospace,Menlo,Consolas,monospace}
-tr.bad td{color:#cf222e} tr.first td{background:#cf222e;color:#fff;font-weight:600}
-dl{display:grid;grid-template-columns:max-content 1fr;gap:2px 14px} dt{color:#57606a} dd{margin:0}
-pre{background:#f4f6f8;padding:8px;overflow:auto;font-size:12px} .muted{color:#57606a}
-svg text{font:10px ui-monospace,Menlo,Consolas,monospace;fill:#1d232a}
-"""
 
 
 def error_plot_svg(report: Report) -> str:
@@ -454,7 +425,7 @@ def render_html(report: Report) -> str:
                                              if g is not None and g.first_failure), None)
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>needle-twin parity: {'pass' if report.passed else 'fail'}</title><style>{_CSS}</style></head><body>",
+        f"<title>needle-twin parity: {'pass' if report.passed else 'fail'}</title><style>{CSS}</style></head><body>",
         f"<h1>needle-twin parity {verdict}</h1>",
         f'<p class="muted">{html.escape(report.mode)} mode · {html.escape(report.dtype)} · '
         f"{report.num_params:,} parameters · profile {html.escape(report.profile.name)}"
@@ -482,13 +453,13 @@ def render_html(report: Report) -> str:
                        "first failure": g.first_failure or "none"}),
                   "<table>", _HEAD.format(what="parameter"), _probe_rows(g.params, g.first_failure), "</table>"]
     if report.generation is not None:
-        generation = html.escape(json.dumps(_json_safe(report.generation), indent=1))
+        generation = html.escape(json.dumps(json_safe(report.generation), indent=1))
         summary = html.escape(generation_line(report.generation).removeprefix("generation: "))
         parts += ["<h2>Generation</h2>", f"<p>{summary}</p>", f"<pre>{generation}</pre>"]
     parts += ["<h2>Inputs</h2>", _dl(report.inputs), "<h2>Model</h2>",
               _dl({k: v for k, v in report.model.items() if k != "config"}),
               f"<pre>{html.escape(json.dumps(report.model.get('config', {}), indent=1))}</pre>",
-              "<h2>Environment</h2>", f"<pre>{html.escape(json.dumps(_json_safe(report.environment), indent=1))}</pre>"]
+              "<h2>Environment</h2>", f"<pre>{html.escape(json.dumps(json_safe(report.environment), indent=1))}</pre>"]
     if report.notes:
         parts += ["<h2>Notes</h2>", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>"]
     parts.append("</body></html>")

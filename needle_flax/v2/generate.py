@@ -5,10 +5,11 @@ jitted function: a prefill over the left-padded prompts (B, P) that writes a pre
 cache, then a `lax.while_loop` of single steps with the token choice inside, so no step
 recompiles, nothing goes back to the host between steps, and a new request of the same shapes
 reuses the compilation (ids, temperature, window, sinks and the seed are all traced inputs). Each
-step runs the L layers as one `lax.scan` over the stacked params, with upstream's own modules
-(`model.MHCLayer`, whose attention writes the "cache" collection), so it compiles one layer body
-instead of L unrolled copies and computes exactly what the forward computes, in the config's
-dtype (float32 reproduces upstream's decode.py, which always runs in float32).
+step runs the L layers as one `lax.scan` over the stacked params, with the forward's own modules
+(`model.MHCLayer`; its attention writes the "cache" collection and attends over it with the
+forward's arithmetic, grouped per kv head), so it compiles one layer body instead of L unrolled
+copies (seconds, not minutes, at the published size) and computes what the forward computes, in
+the config's dtype (float32 reproduces upstream's decode.py, which always runs in float32).
 `generate_recompute` is upstream's run.py loop: the whole PAD-filled buffer re-run through
 `__call__` for every new token, the logits read at the current position. The port of upstream's
 own cached decoding, kept for the goldens and the benchmark, is needle_flax/v2/decode.py.
@@ -90,8 +91,8 @@ def engram_history_masks(valid, config: TransformerConfig):
 class DecodeCache(NamedTuple):
     """One request's cached-decoding state (upstream's decode.py, §6), preallocated for M buffer positions.
 
-    k, v: (L, B, M, K, h) in the compute dtype: K after k_norm and RoPE, V as projected, time-major (what
-    jax.nn.dot_product_attention reads). hist (B, W + M) int32 and valid (B, W + M) bool: the token at every
+    k, v: (L, B, K, M, h): K after k_norm and RoPE, V as projected, rounded to the compute dtype (stored as
+    float32 on CPU, exactly). hist (B, W + M) int32 and valid (B, W + M) bool: the token at every
     buffer position and upstream's `valid` (key_valid and hist_valid), behind W leading zeros / False, so the
     engram's history window [pos - W, pos + S) is one slice at every position. sink (B, M) bool and window
     (0-d int32, 0 = off) shape the attention mask only. cos, sin: (M, h/2) RoPE tables."""
@@ -111,11 +112,13 @@ def new_cache(model: SimpleAttentionNetwork, batch: int, max_len: int, valid=Non
     """An empty DecodeCache for `batch` rows and max_len positions. valid: (B, max_len) bool, upstream's `valid`
     (None: all True); sink: (B, max_len) bool or None (no sinks); kv_window: an int or a traced 0-d int."""
     cfg, W = model.config, model.config.engram_history
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     valid = jnp.ones((batch, max_len), jnp.bool_) if valid is None else jnp.asarray(valid, jnp.bool_)
     sink = jnp.zeros((batch, max_len), jnp.bool_) if sink is None else jnp.asarray(sink, jnp.bool_)
     cos, sin = precompute_rope_freqs(cfg.head_dim, max_len, cfg.rope_theta)
-    k = jnp.zeros(shape, compute_dtype(cfg))
+    # float32 buffers on CPU hold the compute dtype's values exactly: XLA:CPU converts bf16 to f32 (for the
+    # attention's float32 sums) ~3x slower than it reads float32, which made bf16 steps slower than float32 ones.
+    k = jnp.zeros(shape, jnp.float32 if jax.default_backend() == "cpu" else compute_dtype(cfg))
     return DecodeCache(k, jnp.zeros_like(k), jnp.zeros((batch, W + max_len), jnp.int32),
                        jnp.pad(valid, ((0, 0), (W, 0))), sink, jnp.asarray(kv_window, jnp.int32), cos, sin)
 

@@ -24,6 +24,12 @@ from needle_torch.layers import make_causal_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
 
+# Inductor settings for the compiled step, measured at the published size (bf16, batch 1, one thread, CPU time a
+# step): materialise any fused expression of more than 8 ops instead of recomputing it inside the reductions
+# that read it (a normed input was re-normed once per output row of every projection): 10.5 -> 8.4 ms; no size
+# or alignment asserts in the wrapper (thousands of Python calls a step across 27 layers): 14.3 -> 12.5 ms.
+STEP_OPTIONS = {"realize_cpu_opcount_threshold": 8, "size_asserts": False}
+
 
 def pick(logits: Tensor, done: Tensor, eos: int | Tensor, pad: int | Tensor, noise: Tensor | None = None,
          inv_temp: float | Tensor = 1.0) -> tuple[Tensor, Tensor, Tensor]:
@@ -148,8 +154,15 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     logits (B, steps), 0 after a row's EOS. The result is (tokens, logits, logprobs) with the requested ones.
     streamer: called with each step's (B,) tokens on the CPU, in order.
     compile: every step and its choice as one torch.compile graph (a 0-d position tensor and a static cache, so
-    one graph serves every step; the prefill stays eager). On CPU, steps of <= kernels.REDUCE_MAX_ROWS rows write
-    their products as fused reductions. Compiles once per (batch, buffer length, dtype, greedy or sampled).
+    one graph serves every step; the prefill stays eager). The lane layer is a nested compile region
+    (model.decode_layer) traced once for all layers, so compiling takes ~30-60 s at the published size on 2
+    cores, not minutes. On CPU the attention over the cache, and at <= kernels.REDUCE_MAX_ROWS rows every product,
+    are fused multiply-and-sums that read weights and cache in their own dtype (STEP_OPTIONS). Compiles once per
+    (batch, buffer length, dtype, greedy or sampled); later requests reuse the graph, guards checked on their first
+    step only (kernels.CompiledStep: not for concurrent threads). float32 logits stay within 1e-6 of eager (6.5e-7
+    on the fixture); in bfloat16 the compiled step keeps some intermediates in float32, as XLA's jit does, so
+    logits move by ~1-3e-2 relative from eager (fixture), within upstream's own eager-vs-jit gap, and a greedy row
+    can take another token where bf16 does not decide the choice.
     """
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, temperature,
                                                   seed, eos_token_id, pad_token_id)
@@ -159,7 +172,7 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     prefill = model.decode_step(prompts, cache, 0, last_only=True)[:, 0]  # (B, V) float32: chooses token 0
     # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
-    step = CompiledStep(_step_and_pick) if compile else _step_and_pick
+    step = CompiledStep(_step_and_pick, STEP_OPTIONS) if compile else _step_and_pick
     positions = torch.arange(P, P + G, device=device) if compile else range(P, P + G)
 
     def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):

@@ -28,7 +28,14 @@ from torch import Tensor, nn
 from convert.errors import ConfigError
 from convert.v2.config import TransformerConfig
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, GROUPS
-from needle_torch.kernels import Linear, as_reduction, matmul_nt, reduces_when_compiled, repeated_region
+from needle_torch.kernels import (
+    Linear,
+    as_reduction,
+    matmul_nt,
+    reduces_when_compiled,
+    repeated_region,
+    upcasts,
+)
 from needle_torch.layers import Tap, ZCRMSNorm, apply_rope, make_attention_mask, make_causal_mask, precompute_rope_freqs
 from needle_torch.pretrained import Pretrained
 from needle_torch.v2.engram import Engram, engram_history_masks, engram_indices, engram_masks
@@ -130,15 +137,17 @@ def walsh_matrix(size: int, dtype: torch.dtype = torch.float32, device=None) -> 
 _WALSH: dict[str, Tensor] = {}  # fixed and read-only: built once per (P, dtype, device)
 
 
-def _cached_walsh(size: int, dtype: torch.dtype, device) -> Tensor:
-    """walsh_matrix, built once per (P, dtype, device). A dict rather than functools.lru_cache: torch.compile
-    traces through an lru_cache (rebuilding H inside every compiled step) but reads a tensor it finds in a dict as a
-    graph input, and only a plain string key lets a compiled region that reads it be reused for every layer
-    (kernels.repeated_region). The eager prefill fills it before any compiled step runs."""
-    key = f"{size}/{dtype}/{torch.device(device)}"
+def _cached_walsh(size: int, dtype: torch.dtype, device, upcast: bool = False) -> Tensor:
+    """walsh_matrix, built once per (P, dtype, device) (upcast: that dtype's matrix widened to float32). A dict
+    rather than functools.lru_cache: torch.compile traces through an lru_cache (rebuilding H inside every compiled
+    step) but reads a tensor it finds in a dict as a graph input, and only a plain string key lets a compiled
+    region that reads it be reused for every layer (kernels.repeated_region). The eager prefill fills it before
+    any compiled step runs."""
+    key = f"{size}/{dtype}/{torch.device(device)}{'/upcast' if upcast else ''}"
     if key not in _WALSH:
         with torch.inference_mode(False):  # built under inference_mode it could never be saved for a backward pass
-            _WALSH[key] = walsh_matrix(size, dtype, device)
+            h = walsh_matrix(size, dtype, device)
+            _WALSH[key] = h.float() if upcast else h
     return _WALSH[key]
 
 
@@ -149,8 +158,14 @@ def walsh_transform(x: Tensor) -> Tensor:
     scale) was measured against it: the same function within the float32 budget (max|Δ|/max|ref| 4.9e-7 at
     P = 512 in float32; in bf16 it moves 1e-4 of the elements by one ulp), but its CPU speed-up was not
     reproducible on the 2-core test machine (3.5x at P = 512 on a quiet run, slower at P = 64), while the dense
-    form is one GEMM (tensor cores on a GPU) and keeps bf16 layers bit-identical to upstream's eager ones."""
-    return x @ _cached_walsh(x.shape[-1], x.dtype, x.device)
+    form is one GEMM (tensor cores on a GPU) and keeps bf16 layers bit-identical to upstream's eager ones.
+    On a CPU without bf16 units the bf16 product runs as a float32 one on upcast operands (kernels.bf16_path)."""
+    h = _cached_walsh(x.shape[-1], x.dtype, x.device)
+    if as_reduction(x.shape[:-1].numel(), x.device):  # a compiled decode step: H read once, fused (H = Hᵀ)
+        return matmul_nt(x, h, x.dtype, reduce=True)
+    if upcasts(x.dtype, x.device):
+        return (x.float() @ _cached_walsh(x.shape[-1], x.dtype, x.device, upcast=True)).to(x.dtype)
+    return x @ h
 
 
 def probe_pool(cells: Tensor, probes: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
@@ -177,22 +192,26 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     where(mask, s, min) exactly (|s| is far below min's spacing) and keeps a fully masked row uniform.
     Other dtypes: each path as upstream computes it (they differ in bf16) -> flash: f32 logits of the dtype's
     q, k, f32 softmax, probabilities cast to v's dtype, p·v in that dtype; non-flash: q·kᵀ rounded to the
-    dtype, then f32 (the f32 √h promotes), f32 softmax, p·v in float32 (f32 output)."""
+    dtype, then f32 (the f32 √h promotes), f32 softmax, p·v in float32 (f32 output). Under torch.compile, few
+    queries per row (a decode step, any batch) take the explicit path with multiply-and-sum products (float32
+    too: the same function as SDPA up to the order of the float32 sums), fused with the mask and softmax, which
+    read the K/V cache once in its own dtype instead of upcasting all of it for a library product."""
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
-    if q.dtype == torch.float32:
+    reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
+    if q.dtype == torch.float32 and not reduce:
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, F32_MIN)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1 / math.sqrt(h), enable_gqa=H != K)
     G = H // K
     qg = q.reshape(B, K, G * T, h)  # (B, K, G·T, h): query heads k·G .. k·G + G-1 read kv head k
     m = mask[:, :, None]  # (B|1, 1, 1, T, S)
     if flash:
-        s = (qg.float() @ k.float().transpose(-1, -2)).view(B, K, G, T, S) * (1 / math.sqrt(h))  # (B, K, G, T, S)
+        s = matmul_nt(qg, k, torch.float32, reduce).view(B, K, G, T, S) * (1 / math.sqrt(h))  # (B, K, G, T, S)
         p = s.masked_fill(~m, FLASH_NEG).softmax(dim=-1).to(v.dtype).view(B, K, G * T, S)  # (B, K, G·T, S)
-        return (p @ v).view(B, H, T, h)  # (B, H, T, h) in v's dtype
-    s = (qg @ k.transpose(-1, -2)).float().view(B, K, G, T, S) / math.sqrt(h)  # (B, K, G, T, S)
+        return matmul_nt(p, v.transpose(-1, -2), v.dtype, reduce).view(B, H, T, h)  # (B, H, T, h) in v's dtype
+    s = matmul_nt(qg, k, q.dtype, reduce).float().view(B, K, G, T, S) / math.sqrt(h)  # (B, K, G, T, S)
     p = s.masked_fill(~m, F32_MIN).softmax(dim=-1).view(B, K, G * T, S)  # (B, K, G·T, S) float32
-    return (p @ v.float()).view(B, H, T, h)  # (B, H, T, h) float32
+    return matmul_nt(p, v.float().transpose(-1, -2), torch.float32, reduce).view(B, H, T, h)  # (B, H, T, h) f32
 
 
 # ----------------------------------------------------------------------------- attention and MLP
@@ -332,7 +351,7 @@ class MHCLayer(nn.Module):
         hpost = self.tap_hpost(post_weights(xhat, self.phi_post.weight, self.a_post, self.b_post, post_off))
         hres = self.tap_hres(res_weights(xhat, self.phi_res.weight, self.a_res, self.b_res))
         u = self.tap_u(mix_in(hpre, lanes, dtype))  # (B, T, D)
-        y = self.tap_y(self.block(u, mask, rope, quant, engram, cache) - u)  # the block's own residuals, then - u (§10.6)
+        y = self.tap_y(self.block(u, mask, rope, quant, engram, cache) - u)  # block's own residuals, then - u (§10.6)
         return self.tap_state(mix_out(hres, hpost, lanes, y, dtype))  # (B, T, n, D)
 
 
@@ -361,8 +380,8 @@ class Stack(nn.Module):
                 kv: tuple[Tensor, Tensor, int | Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
         """x0 (B, T, D) -> (final-normed x (B, T, D), [lane mean after each layer] if collect_hidden).
 
-        kv: cached decoding's (K buffers, V buffers, pos, lane offsets of every layer), the buffers (L, B, K, M, h);
-        layer i uses slice i, through decode_layer."""
+        kv: cached decoding's (K buffers, V buffers, pos, lane offsets), one (B, K, M, h) buffer and one pair of
+        offsets per layer; layer i runs through decode_layer."""
         dtype = self.final_norm.scale.dtype  # the compute dtype
         B, T, D = x0.shape
         lanes = x0.to(dtype)[:, :, None, :].expand(B, T, self.lanes, D)  # (B, T, n, D)
@@ -419,18 +438,19 @@ class ConfidenceHead(nn.Module):
 class DecodeCache:
     """One cached-decoding request's state (upstream's decode.py, §6), preallocated for M buffer positions.
 
-    k, v: (L, B, K, M, h) in the compute dtype: K after k_norm and RoPE, V as projected. The forward rounds both
-    to the compute dtype before attending, so this holds exactly what it would attend over (upstream's decode
-    keeps float32 caches because it runs everything in float32; so does a float32 model here).
+    k, v: one (B, K, M, h) buffer per layer, in the compute dtype: K after k_norm and RoPE, V as projected. Separate
+    tensors, not views of one: a compiled region writes into its inputs correctly only then (torch 2.13). The
+    forward rounds both to the compute dtype before attending, so this holds exactly what it would attend over
+    (upstream's decode keeps float32 caches because it runs everything in float32; so does a float32 model here).
     hist (B, W + M) int64 and valid (B, W + M) bool: the token at every buffer position and upstream's `valid`
     (key_valid and hist_valid), behind W = 4·max(O) leading zeros / False, so the engram's history window
     [pos - W, pos + S) is one slice at every position. sink (B, M) bool or None and window (kv_window, 0 = off)
     shape the attention mask only. rope: cos, sin (M, h/2), and offsets: every layer's lane_offsets, computed
-    once. logits_weight: the tied embedding
-    upcast to float32 once per request (None: read in place, under compile or for a float32 model)."""
+    once. logits_weight: the tied embedding upcast to float32 once per request (None: read in place, under
+    compile or for a float32 model)."""
 
-    k: Tensor
-    v: Tensor
+    k: list[Tensor]
+    v: list[Tensor]
     hist: Tensor
     valid: Tensor
     sink: Tensor | None
@@ -578,8 +598,9 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         or None (positions that stay visible under kv_window); compiled: the steps run under torch.compile, where
         products of few rows read the embedding in place (kernels.reduces_when_compiled), so no float32 copy."""
         cfg, W = self.config, self.config.engram_history
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        v = [torch.zeros_like(t) for t in k]
         hist = torch.zeros(batch, W + max_len, dtype=torch.long, device=self.device)
         if valid is None:
             valid = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
@@ -588,7 +609,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         in_place = self.dtype == torch.float32 or (compiled and reduces_when_compiled(batch, self.device))
         weight = None if in_place else self.embedding.weight.float()
         offsets = [lane_offsets(i, cfg.mhc_lanes, self.device) for i in range(cfg.num_layers)]
-        return DecodeCache(k, torch.zeros_like(k), hist, valid, sink, int(kv_window), self._rope(max_len), offsets,
+        return DecodeCache(k, v, hist, valid, sink, int(kv_window), self._rope(max_len), offsets,
                            weight)
 
     def decode_step(self, tokens: Tensor, cache: DecodeCache, pos: int | Tensor, last_only: bool = False) -> Tensor:
@@ -637,10 +658,16 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
             return matmul_nt(x, self.embedding.weight, torch.float32, reduce=True)
         return x.float() @ (self.embedding.weight if weight is None else weight).float().T
 
-    def generate(self, tokens: Tensor, max_new_tokens: int = 64, **kwargs):
-        """Cached generation from left-padded prompts (B, P): new tokens (B, max_new_tokens); see
-        needle_torch.v2.generate.generate for the arguments and what else it can return."""
-        return generate_cached(self, tokens, max_new_tokens, **kwargs)
+    def generate(self, tokens: Tensor, max_new_tokens: int = 64, *, kv_window: int = 0, temperature: float = 0.0,
+                 seed: int | None = None, sink: Tensor | None = None, eos_token_id: int | None = 1,
+                 pad_token_id: int = 0, return_logits: bool = False, return_logprobs: bool = False,
+                 streamer=None, compile: bool = False):
+        """Cached generation from left-padded prompts (B, P): the new tokens (B, max_new_tokens), plus the step
+        logits and log-probabilities on request; see needle_torch.v2.generate.generate."""
+        return generate_cached(self, tokens, max_new_tokens, kv_window=kv_window, temperature=temperature, seed=seed,
+                               sink=sink, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                               return_logits=return_logits, return_logprobs=return_logprobs, streamer=streamer,
+                               compile=compile)
 
     # ------------------------------------------------------------------ hidden states and heads
 

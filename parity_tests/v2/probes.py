@@ -18,7 +18,8 @@ BLOCK = ("stack", "layers", "block")
 DEFAULT_PASSES = ("forward", "cells", "contrastive", "confidence")
 # Fake quant rounds x / scale to integers: a 1-ulp difference between the twins can flip a code where x / scale sits
 # on a half (it happens once in ~1e5 elements on random weights), moving a logit by a whole quant step. So the
-# quant pass is opt-in (`needle-twin parity --quant`); the fixture's upstream quant_logits are reproduced by tests.
+# quant pass is opt-in (runs' `passes=ALL_PASSES`; parity_tests/test_parity_v2.py runs it on the fixture), and each
+# twin's tests reproduce the fixture's upstream quant_logits with a budget for that edge.
 ALL_PASSES = ("forward", "quant", "cells", "contrastive", "confidence")
 
 

@@ -1,4 +1,5 @@
-"""Needle 2's runs for the parity engine: both twins' probes pass by pass, and the training loss.
+"""Needle 2's runs for the parity engine: both twins' probes pass by pass, the training loss, greedy generation, the
+CLI's generate.
 
 Every pass uses the mask of a right-padded batch, causal ∧ padding (what hidden_cells and the heads build
 themselves), so pads never reach a real position and each pass's lanes are the same in both twins.
@@ -7,7 +8,7 @@ themselves), so pads never reach a real position and each pass's lanes are the s
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -16,16 +17,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from convert.errors import NeedleTwinError
+from convert.errors import GenerationError, NeedleTwinError
+from convert.fields import DTYPES
 from convert.rules import TORCH
 from convert.trees import flatten_tree
-from convert.v2.config import TransformerConfig
+from convert.v2.chat import batched_generate_cap
+from convert.v2.config import BOS_ID, EOS_ID, TransformerConfig
 from convert.v2.family import FAMILY
 from needle_flax import layers as flax_layers
 from needle_flax.v2 import SimpleAttentionNetwork as FlaxModel
+from needle_flax.v2.generate import generate as flax_generate
+from needle_flax.v2.generate import generate_recompute as flax_recompute
 from needle_torch import layers as torch_layers
 from needle_torch.v2 import SimpleAttentionNetwork as TorchModel
+from needle_torch.v2.generate import generate as torch_generate
+from needle_torch.v2.generate import generate_recompute as torch_recompute
 from parity_tests import probes
+from parity_tests.generation import generation_parity
 from parity_tests.inputs import Batch
 from parity_tests.twins import Twins
 from parity_tests.v2.probes import DEFAULT_PASSES, probe_table
@@ -162,3 +170,101 @@ def torch_loss(twins: Twins, batch: Batch) -> torch.Tensor:
     logits = twins.torch_model(inputs.long())  # causal mask by default, as upstream's __call__
     nll = F.cross_entropy(logits.transpose(1, 2), labels.long(), reduction="none")  # (B, T-1)
     return (nll * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def left_padded(tokens: np.ndarray, pad: int, cap: int) -> np.ndarray:
+    """A right-padded batch (B, T) as upstream's `batched_generate` lays prompts out: each row's ids cut to its
+    first `cap` (`batched_generate_cap`), then left-padded with pad to the longest row.
+
+    A fully padded row becomes [BOS] (every upstream prompt starts with it)."""
+    rows = [row[row != pad][:cap] for row in np.asarray(tokens)]
+    rows = [r if r.size else np.array([BOS_ID], r.dtype) for r in rows]
+    out = np.full((len(rows), max(r.size for r in rows)), pad, np.int64)
+    for i, r in enumerate(rows):
+        out[i, out.shape[1] - r.size:] = r
+    return out
+
+
+def generation(twins: Twins, batch: Batch, max_new_tokens: int, suppress_tokens: Iterable[int] | None = None
+               ) -> dict[str, Any]:
+    """Greedy generation parity: both twins' cached decoding (prefill, then steps over the KV cache) and upstream's
+    recompute loop (run.py), from the batch's prompts cut and left-padded as upstream's batched path lays them out.
+
+    Each run's tokens are reported as (B, 1 + steps): the prompt's last token (fed at step 0), then the chosen ones.
+    Needle 2 decoding has no suppressed ids (upstream's has none); asking for some is an error."""
+    if suppress_tokens:
+        raise NeedleTwinError("Needle 2's decoding has no suppressed ids (upstream's has none); drop "
+                              "--suppress-special")
+    pad = twins.config.pad_token_id
+    prompts = left_padded(batch.arrays["tokens"], pad, batched_generate_cap(twins.config.max_seq_len, max_new_tokens))
+    kw = dict(eos_token_id=EOS_ID, pad_token_id=pad, return_logits=True)
+
+    def run(tokens, logits) -> tuple[np.ndarray, np.ndarray]:
+        new = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens).astype(np.int64)
+        logits = np.asarray(logits.cpu() if isinstance(logits, torch.Tensor) else logits)
+        return np.concatenate([prompts[:, -1:], new], axis=1), logits
+
+    flax_in = prompts.astype(np.int32)
+    torch_in = torch.from_numpy(prompts).to(twins.torch_device)
+    cached = {"flax": run(*flax_generate(twins.flax_model, twins.flax_params, flax_in, max_new_tokens, **kw)),
+              "torch": run(*torch_generate(twins.torch_model, torch_in, max_new_tokens, **kw))}
+    recompute = {"flax": run(*flax_recompute(twins.flax_model, twins.flax_params, flax_in, max_new_tokens, **kw)),
+                 "torch": run(*torch_recompute(twins.torch_model, torch_in, max_new_tokens, **kw))}
+    return generation_parity(cached, recompute, pad, max_new_tokens)
+
+
+def generate_from_checkpoint(checkpoint, prompt_ids: Sequence[int], *, backend: str = "torch",
+                             dtype: str | None = None, max_new_tokens: int = 96, kv_window: int = 0,
+                             sink: Sequence[bool] | None = None, temperature: float = 0.0, seed: int | None = None,
+                             streamer=None, compile: bool = False) -> list[int]:
+    """Decode one prompt (BOS included) with a loaded Needle 2 `convert.io.Checkpoint`; the new ids, EOS included
+    when it came (the pads after it dropped).
+
+    Defaults are upstream's `generate_cached`: greedy, 96 new tokens, no window; the buffer is the prompt plus the
+    new tokens (capped by max_seq_len as upstream's max_len is, so fewer come when the prompt is long). dtype:
+    None = the checkpoint config's; float32 pins full-precision matmuls in both frameworks (upstream's decode runs
+    in float32). sink: a bool per prompt position kept visible under kv_window. streamer: called with each new id
+    (int) as it is chosen, until EOS. compile: torch only, one torch.compile graph per step.
+    """
+    if backend not in ("torch", "flax"):
+        raise GenerationError(f"--backend {backend!r} is unknown; use torch or flax")
+    if compile and backend != "torch":
+        raise GenerationError("--compile is for the torch backend (the flax loop is always jitted); drop it or "
+                              "use --backend torch")
+    dtype = dtype or checkpoint.config.dtype
+    if dtype not in DTYPES:
+        raise GenerationError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    config = checkpoint.config.replace(dtype=dtype)
+    room = config.max_seq_len - len(prompt_ids)
+    if room < 1:
+        raise GenerationError(f"the prompt has {len(prompt_ids)} ids, the model's max_seq_len is "
+                              f"{config.max_seq_len}: no room for a new token; shorten the prompt")
+    steps = min(max_new_tokens, room) if isinstance(max_new_tokens, int) and max_new_tokens >= 1 else max_new_tokens
+    stopped = False
+
+    def emit(step_tokens) -> None:
+        nonlocal stopped
+        if streamer is not None and not stopped:
+            token = int(np.asarray(step_tokens)[0])
+            streamer(token)
+            stopped = token == EOS_ID
+
+    args = dict(kv_window=kv_window, temperature=temperature, seed=seed, eos_token_id=EOS_ID,
+                pad_token_id=config.pad_token_id, streamer=emit)
+    if sink is not None:
+        args["sink"] = np.asarray([sink], bool)
+    if backend == "torch":
+        if dtype == "float32":
+            torch.set_float32_matmul_precision("highest")
+        model = TorchModel.from_flax(checkpoint.params, config, dtype=dtype)
+        tokens = torch_generate(model, [list(prompt_ids)], steps, **args, compile=compile)
+    else:
+        if dtype == "float32":
+            jax.config.update("jax_default_matmul_precision", "highest")
+        params = jax.tree.map(lambda a: jnp.asarray(a, dtype), checkpoint.params)  # upstream casts every param
+        tokens = flax_generate(FlaxModel(config), params, [list(prompt_ids)], steps, **args)
+    ids = [int(t) for t in np.asarray(tokens)[0]]
+    return ids[:ids.index(EOS_ID) + 1] if EOS_ID in ids else ids

@@ -1,0 +1,230 @@
+"""Cached generation speed of the Needle 2 torch twin at the published size, on both kinds of CPU bf16 path.
+
+At the published `base` size (random weights, convert.mapping.random_flax_params(config, seed=0)), a
+256-token prompt and 64 new tokens (EOS never stops a row), for batch 1 and 32, float32 and bfloat16,
+torch eager and torch compiled (compile=True):
+  tokens/s      new tokens / decode time (the 63 steps after the first token), best of --repeats
+  prefill ms    time to the first token: argument checks, cache allocation and the prefill pass
+  compile s     first compiled request minus a warm one
+  % of bound    tokens/s against the memory-bandwidth bound: bytes a step must read (weights in their dtype,
+                the tied embedding, the engram projections, the K/V cache over the mean attended length)
+                / the copy bandwidth measured in the same process (2 x bytes / time of a 256 MiB copy_)
+  x upstream    against upstream's own figures on the 2-core AVX2 machine: decode.py's loop 12.1 tok/s at batch 1
+                (float32: upstream decodes in float32), prefill 412 ms, the batched rollout 47.7 tok/s at batch 32
+Targets (issue): batch 1 >= 10x the loop in float32 (>= 121 tok/s) and >= 50 % of the bound in bf16; batch 32
+>= 5x the rollout (>= 239 tok/s); prefill <= 412 ms.
+
+Both CPU kinds in one run: every cell set runs in its own process, once on this CPU as it is and once as an
+AVX2-only CPU without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), and each bf16 cell set with
+both bf16 paths forced (NEEDLE_TWIN_BF16=native: library bf16 kernels, emulated where the CPU has no bf16
+units; =upcast: float32 kernels on upcast operands), beside the path needle_torch.kernels.bf16_path() picks by
+itself. --v1 adds Needle v1's torch cells from benchmarks/bench_generate.py (bf16 encode latency, compiled
+batch-1 decode end to end) on the same grid. Each process prints the CPU features it found and the path that ran.
+
+Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
+       [--no-compile] [--no-emulate] [--v1] [--new-tokens 64] [--prompt-len 256]
+Run on an otherwise idle machine: the load average is printed before and after every process (2 shared cores:
+a busy neighbour makes multi-threaded figures meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from convert.mapping import random_flax_params  # noqa: E402
+from convert.v1.config import NEEDLE_V1_PUBLISHED, SPECIAL_IDS  # noqa: E402
+from convert.v2 import NEEDLE_V2_PUBLISHED  # noqa: E402
+from convert.v2.config import BOS_ID, FIRST_PLAIN_ID  # noqa: E402
+from needle_torch.kernels import BF16_PATH_ENV, bf16_path, cpu_flags, decide_bf16_path  # noqa: E402
+from needle_torch.v1.generate import generate as generate_v1  # noqa: E402
+from needle_torch.v1.model import SimpleAttentionNetwork as ModelV1  # noqa: E402
+from needle_torch.v2 import SimpleAttentionNetwork  # noqa: E402
+
+UPSTREAM = {"loop_b1": 12.1, "prefill_ms": 412.0, "rollout_b32": 47.7}  # tok/s, ms, tok/s (issue text)
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s (read + write) of a 256 MiB torch copy_, best of 5."""
+    a = torch.ones(64 * 2**20)
+    b = torch.empty_like(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
+    return 2 * a.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def step_bytes(cfg, batch: int, prompt: int, new: int, item: int) -> int:
+    """Bytes one decode step must read: every layer's projections, routing, norms and diagonals, both engram
+    sites' projections and the tied embedding in the weights' dtype, and the K/V cache (the compute dtype) over
+    the mean attended length. The Walsh matrix (one P x P constant, cache-resident) is left out."""
+    D, A, KH, n, P = cfg.d_model, cfg.attn_dim, cfg.kv_dim, cfg.mhc_lanes, cfg.hada_dim
+    per_layer = 2 * D * A + 2 * D * KH + A * D + n * D * (2 * n + n * n) + 3 * P + 3 * D + 2 * cfg.head_dim
+    engram = cfg.num_sites * 2 * cfg.num_engram_tables * cfg.engram_sub_dim * D
+    weights = (cfg.num_layers * per_layer + engram + cfg.vocab_size * D + D) * item
+    mean_len = prompt + (new - 1) / 2
+    kv = cfg.num_layers * 2 * batch * KH * mean_len * item
+    return int(weights + kv)
+
+
+# ----------------------------------------------------------------------------- one process: the cells of one setting
+
+
+def run_v2(dtype: str, batch: int, compile: bool, args) -> dict:
+    cfg = NEEDLE_V2_PUBLISHED
+    model = SimpleAttentionNetwork.from_flax(random_flax_params(cfg, seed=0, groups=()), cfg, dtype=dtype)
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(FIRST_PLAIN_ID, cfg.vocab_size, (batch, args.prompt_len))
+    prompts[:, 0] = BOS_ID
+    prompts = torch.from_numpy(prompts)
+    G = args.new_tokens
+
+    def request() -> tuple[float, float]:
+        """(prefill s = time to the first token, decode s for the G - 1 steps after it)."""
+        stamps = []
+        start = time.perf_counter()
+        model.generate(prompts, G, eos_token_id=None, compile=compile,
+                       streamer=lambda _: stamps.append(time.perf_counter()))
+        return stamps[0] - start, stamps[-1] - stamps[0]
+
+    first = _timed(request)
+    runs = [request() for _ in range(args.repeats)]
+    warm = min(p + d for p, d in runs)
+    prefill, decode = min(p for p, _ in runs), min(d for _, d in runs)
+    item = torch.finfo(model.dtype).bits // 8
+    return {"tok_s": batch * (G - 1) / decode, "prefill_ms": 1e3 * prefill,
+            "compile_s": first - warm if compile else None,
+            "bytes": step_bytes(cfg, batch, args.prompt_len, G, item)}
+
+
+def run_v1(args) -> dict:
+    """Needle v1's torch cells of benchmarks/bench_generate.py: bf16 encode latency, compiled batch-1 decode."""
+    cfg = NEEDLE_V1_PUBLISHED.replace(dtype="bfloat16")
+    model = ModelV1.from_flax(random_flax_params(cfg, seed=0, dtype="bfloat16"), cfg, dtype="bfloat16")
+    src = torch.from_numpy(np.random.default_rng(1).integers(FIRST_PLAIN_ID, cfg.vocab_size, (1, 256)))
+
+    def encode():
+        with torch.inference_mode():
+            model.encode(src)
+
+    def decode():
+        generate_v1(model, src, None, 64, suppress_tokens=SPECIAL_IDS, compile=True)
+
+    encode()
+    first = _timed(decode)
+    enc = min(_timed(encode) for _ in range(5))
+    dec = min(_timed(decode) for _ in range(args.repeats))
+    return {"encode_ms": 1e3 * enc, "decode_tok_s": 64 / dec, "compile_s": first - dec}
+
+
+def child(args) -> None:
+    torch.set_num_threads(args.threads)
+    path = bf16_path()
+    auto = decide_bf16_path({k: v for k, v in os.environ.items() if k != BF16_PATH_ENV}, cpu_flags(),
+                            torch.backends.cpu.get_cpu_capability())
+    out = {"load_before": os.getloadavg(), "path": path.name, "reason": path.reason, "auto": str(auto),
+           "features": list(path.features), "capability": torch.backends.cpu.get_cpu_capability(),
+           "bandwidth": copy_bandwidth(), "cells": {}}
+    for spec in args.cells.split(";"):
+        if spec == "v1":
+            out["cells"][spec] = run_v1(args)
+            continue
+        dtype, batch, mode = spec.split(",")
+        out["cells"][spec] = run_v2(dtype, int(batch), mode == "compiled", args)
+    out["load_after"] = os.getloadavg()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ----------------------------------------------------------------------------- the parent: the grid and the table
+
+
+def spawn(cells: list[str], env: dict, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--cells", ";".join(cells), "--threads", str(args.threads),
+           "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)]
+    # A fresh inductor cache per process: compile times are cold ones, and a graph compiled for this CPU's
+    # AVX-512 is never reused by an AVX2-only run (torch's cache key leaves ATEN_CPU_CAPABILITY out: the reused
+    # code runs 16-lane loops over 8-lane vectors and fails its index checks).
+    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+        proc = subprocess.run(cmd, env={**os.environ, **env, "TORCHINDUCTOR_CACHE_DIR": cache}, capture_output=True,
+                              text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise SystemExit(f"a benchmark process failed ({env}):\n{proc.stderr[-3000:]}")
+
+
+def report(kind: str, res: dict) -> list[str]:
+    bw = res["bandwidth"]
+    bf16 = any(spec.startswith("bfloat16") or spec == "v1" for spec in res["cells"])
+    path = f"bf16 path {res['path']} ({res['reason']}); left alone: {res['auto']}" if bf16 else \
+        f"float32 (no bf16 products; left alone bf16 would take: {res['auto']})"
+    lines = [f"\n{kind}, {path}",
+             f"  CPU features {' '.join(res['features'])}; ATen {res['capability']}; copy bandwidth "
+             f"{bw / 1e9:.1f} GB/s; load {res['load_before'][0]:.2f} -> {res['load_after'][0]:.2f}",
+             f"  {'cell':<24}{'tok/s':>9}{'prefill ms':>12}{'compile s':>11}{'of bound':>10}{'x upstream':>12}"]
+    for spec, c in res["cells"].items():
+        if spec == "v1":
+            lines.append(f"  v1 bf16 encode {c['encode_ms']:.1f} ms; compiled batch-1 decode {c['decode_tok_s']:.1f} "
+                         f"tok/s end to end (compile {c['compile_s']:.1f} s)")
+            continue
+        dtype, batch, mode = spec.split(",")
+        bound = int(batch) * bw / c["bytes"]
+        ref = UPSTREAM["loop_b1"] if batch == "1" else UPSTREAM["rollout_b32"]
+        comp = "-" if c["compile_s"] is None else f"{c['compile_s']:.1f}"
+        lines.append(f"  {dtype + ' b' + batch + ' ' + mode:<24}{c['tok_s']:>9.1f}{c['prefill_ms']:>12.0f}{comp:>11}"
+                     f"{c['tok_s'] / bound:>10.0%}{c['tok_s'] / ref:>11.1f}x")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--no-emulate", dest="emulate", action="store_false", help="skip the AVX2-only runs")
+    parser.add_argument("--v1", action="store_true", help="also Needle v1's torch encode and compiled decode")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cells", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; upstream's figures: {UPSTREAM}")
+    modes = ["eager", "compiled"] if args.compile else ["eager"]
+    kinds = [("this CPU", {})] + ([("AVX2-only (emulated)", AVX2_ENV)] if args.emulate else [])
+    for kind, env in kinds:
+        for dtype in args.dtype:
+            paths = ["native", "upcast"] if dtype == "bfloat16" else [""]  # float32 takes no bf16 path
+            for forced in paths:
+                cells = [f"{dtype},{b},{m}" for b in args.batch for m in modes]
+                if args.v1 and dtype == "bfloat16":
+                    cells.append("v1")
+                res = spawn(cells, {**env, **({"NEEDLE_TWIN_BF16": forced} if forced else {})}, args)
+                for line in report(kind, res):
+                    print(line, flush=True)
+    print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
