@@ -9,7 +9,9 @@ worker threads straight into their place in the ring (numpy copies drop the GIL)
 block, once complete, is written with O_DIRECT where the filesystem allows it, so the bytes
 go from the ring to the device with no further copy. On the benchmark VM that made writing a
 2.55 GB file 4-6x faster than through the page cache (page-cache pages for a new file cost a
-host page fault each) and takes no page cache from the user's other files.
+host page fault each) and takes no page cache from the user's other files. That pays from about
+a gigabyte on; files below RING_FROM (every published Needle checkpoint) are written by the plain
+writer, part by part through the page cache, which measured as fast or faster there.
 """
 
 from __future__ import annotations
@@ -63,9 +65,13 @@ class Segments:
 
 
 # The writer for a file of a given size (the one seam): "plain" writes part by part through the page cache,
-# "ring" is the O_DIRECT ring below. NEEDLE_TWIN_WRITER=plain|ring forces one (benchmarks/bench_convert.py
-# measures both side by side).
+# "ring" is the O_DIRECT ring below. NEEDLE_TWIN_WRITER=plain|ring forces one. benchmarks/bench_convert.py,
+# both side by side (best of 3, 2-core VM): at the published sizes plain is as fast or faster and smaller
+# (v1 105 MB pickle -> safetensors 0.40 s vs 0.45 s, peak RSS 125 vs 145 MB; Needle 2 181 MB 0.44 vs 0.56 s,
+# 126 vs 170 MB); at 2.55 GB the ring is 2.2-3.2x faster (2.30 vs 4.97 s; back to a pickle 2.13 vs 6.73 s).
+# So plain below RING_FROM bytes, the ring from there on.
 WRITERS = ("plain", "ring")
+RING_FROM = 2**30
 
 
 def write_file(path: Path, segments: Sequence[Segment], *, on_bytes: Callable[[int], None] | None = None,
@@ -73,7 +79,7 @@ def write_file(path: Path, segments: Sequence[Segment], *, on_bytes: Callable[[i
     """Create path (it must not exist) with the segments in order; `check` sees every tensor part written."""
     items = _layout(segments)
     total = sum(n for _, n, _ in items)
-    kind = writer or os.environ.get("NEEDLE_TWIN_WRITER") or "ring"
+    kind = writer or os.environ.get("NEEDLE_TWIN_WRITER") or ("ring" if total >= RING_FROM else "plain")
     if kind not in WRITERS:
         raise ValueError(f"NEEDLE_TWIN_WRITER={kind!r}; use one of {', '.join(WRITERS)}")
     if kind == "plain":

@@ -9,4 +9,4 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_mapping_doc_is_the_rules():
     doc = (ROOT / "docs" / "MAPPING.md").read_text()
-    assert doc == mapping_markdown(), "docs/MAPPING.md is stale: regenerate it with python -m convert.registry"
+    assert doc == mapping_markdown(), "docs/MAPPING.md is stale: regenerate it (see convert.registry.mapping_markdown)"

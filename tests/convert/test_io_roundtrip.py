@@ -108,6 +108,7 @@ def test_byte_identical_through_small_bands_and_write_blocks(tmp_path, monkeypat
 
     monkeypatch.setattr(plan, "PART_BYTES", 300)  # the (256, 64) f32 embedding: 1 row per band, 256 bands
     monkeypatch.setattr(plan, "TRANSPOSE_PART_BYTES", 300)  # Dense kernels: bands of the source's columns
+    monkeypatch.setattr(sink, "RING_FROM", 0)  # the ring writer at fixture size
     monkeypatch.setattr(sink, "_BLOCK", 2 * sink._ALIGN)  # ~120 KB fixture: dozens of blocks
     if not direct:
         monkeypatch.setattr(sink, "_set_direct", lambda fd, on: False)
@@ -152,6 +153,7 @@ def test_direct_io_refused_mid_file_falls_back_to_buffered_writes(tmp_path, monk
     from convert import sink
 
     calls = failing_pwrite(monkeypatch, 1, errno.EINVAL)
+    monkeypatch.setattr(sink, "RING_FROM", 0)  # the ring writer at fixture size
     monkeypatch.setattr(sink, "_BLOCK", 2 * sink._ALIGN)
     payload = np.arange(5000, dtype=np.float32)  # 20,000 bytes: two full blocks and a tail
     sink.write_file(tmp_path / "out.bin", [b"head", Planned.of("x", payload), b"tail"])
@@ -163,6 +165,7 @@ def test_full_disk_mid_file_leaves_nothing_and_says_so(tmp_path, tmp_path_factor
     """ENOSPC on a block write: one NeedleTwinError naming the output, no temp file left, queued writes dropped."""
     from convert import sink
 
+    monkeypatch.setattr(sink, "RING_FROM", 0)  # the ring writer at fixture size
     monkeypatch.setattr(sink, "_BLOCK", sink._ALIGN)
     src = io.open_source(FIXTURE_PKL)
     whole = tmp_path_factory.mktemp("whole") / "m.safetensors"
@@ -500,7 +503,8 @@ def test_finite_check_bit_test(dtype):
 
 
 @pytest.mark.parametrize("pipeline, fallocate", [(True, True), (False, False)])
-def test_sink_lays_out_segments_and_fills_tensors_in_place(tmp_path, monkeypatch, pipeline, fallocate):
+@pytest.mark.parametrize("writer", ["plain", "ring"])
+def test_sink_lays_out_segments_and_fills_tensors_in_place(tmp_path, monkeypatch, pipeline, fallocate, writer):
     from convert import sink
 
     if not fallocate:  # e.g. a network filesystem: the file just grows as it is written
@@ -518,7 +522,7 @@ def test_sink_lays_out_segments_and_fills_tensors_in_place(tmp_path, monkeypatch
                 b"mid", Planned.of("gate", gate), Planned.of("empty", np.zeros((0, 5), np.float32)), b"tail"]
     seen, done = [], []
     sink.write_file(tmp_path / "out.bin", segments, check=lambda name, a: seen.append(name), on_bytes=done.append,
-                    pipeline=pipeline)
+                    pipeline=pipeline, writer=writer)
     expected = b"head" + kernel.tobytes() + b"mid" + gate.tobytes() + b"tail"
     assert (tmp_path / "out.bin").read_bytes() == expected
     assert sorted(seen) == ["empty", "gate", "k", "k", "k"]  # every part is checked: one per layer of k
@@ -532,6 +536,7 @@ def test_sink_ring_wraps_inside_parts_and_byte_segments(tmp_path, monkeypatch, p
     than a block."""
     from convert import sink
 
+    monkeypatch.setattr(sink, "RING_FROM", 0)  # the ring writer at fixture size
     monkeypatch.setattr(sink, "_BLOCK", sink._ALIGN)
     monkeypatch.setattr(sink, "_BLOCKS", 3)
     if not direct:
@@ -554,7 +559,8 @@ def test_sink_ring_wraps_inside_parts_and_byte_segments(tmp_path, monkeypatch, p
     assert (tmp_path / "out.bin").read_bytes() == b"".join(expected)
 
 
-def test_sink_stops_on_the_first_failing_tensor(tmp_path):
+@pytest.mark.parametrize("writer", ["plain", "ring"])
+def test_sink_stops_on_the_first_failing_tensor(tmp_path, writer):
     from convert import sink
 
     def broken():
@@ -564,7 +570,7 @@ def test_sink_stops_on_the_first_failing_tensor(tmp_path):
     segments.append(Planned("bad", (10,), np.dtype(np.float32), (Piece(TensorRef((10,), np.dtype(np.float32),
                                                                                 broken)),)))
     with pytest.raises(CheckpointError, match="disk went away"):
-        sink.write_file(tmp_path / "out.bin", segments)
+        sink.write_file(tmp_path / "out.bin", segments, writer=writer)
 
 
 def test_msgpack_chunked_arrays_both_ways(tmp_path, monkeypatch):
