@@ -22,6 +22,7 @@ from convert.fields import FamilyConfig
 from convert.formats.common import load_config_json
 from convert.source import Source
 from convert.tensors import dtype_name
+from convert.trees import flatten_tree
 
 PROGRESS_MIN_BYTES = 32 * 2**20  # below this a conversion takes well under a second: no bar
 _DIFF_BLOCK = 1 << 22  # elements compared per step; bounds the float64 temporaries to ~100 MiB
@@ -100,11 +101,18 @@ def _convert_adapter(kind, src: Path, dst: Path, base: Path | None, merge: bool,
     with _terminate_as_interrupt():
         if merge:
             fmt = io.infer_write_format(dst, checkpoint_options["to"])
-            io.write_checkpoint(kind.merge(adapter, ckpt.params), ckpt.config, dst, format=fmt, force=force,
+            merged = kind.merge(adapter, ckpt.params)
+            io.write_checkpoint(merged, ckpt.config, dst, format=fmt, force=force,
                                 dtype=checkpoint_options["dtype"], metadata=ckpt.metadata, extra=ckpt.extra,
                                 max_shard_size=checkpoint_options["max_shard_size"], bits=checkpoint_options["bits"],
                                 tokenizer=checkpoint_options["tokenizer"])
             out_format = f"{fmt} (merged)"
+            arrays = [np.asarray(a) for a in flatten_tree(merged).values()]  # what was written: the whole model
+            cast = checkpoint_options["dtype"]
+            nbytes = sum(a.size * (io.weight_dtype(cast).itemsize if cast else a.dtype.itemsize) for a in arrays)
+            dtypes = [cast] if cast else sorted({dtype_name(a.dtype) for a in arrays})
+            return ConvertResult(Path(src), Path(dst), kind.name, out_format, len(arrays),
+                                 sum(a.size for a in arrays), nbytes, ",".join(dtypes), time.perf_counter() - start)
         else:
             kind.write(adapter, ckpt.config, dst, base=str(base), force=force)
             out_format = "upstream LoRA pickle" if Path(dst).suffix == ".pkl" else "PEFT adapter"

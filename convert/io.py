@@ -128,11 +128,16 @@ def _sniff(head: bytes) -> str | None:
 # ----------------------------------------------------------------------------- reading
 
 
+def _family_for(name: str | None, tensors: Mapping[str, Any], where: str) -> Family:
+    """The family a torch-layout file records by name, else the one its tensor names fit."""
+    return registry.family_named(name) if name else registry.detect(tensors, TORCH, where)
+
+
 # format -> reader; the readers import torch, jax or orbax only when they run.
 _READERS = {
     PICKLE: upstream_pickle.read,
     SAFETENSORS: safetensors_format.read_file,
-    HF_DIR: safetensors_format.read_dir,
+    HF_DIR: lambda path: safetensors_format.read_dir(path, _family_for),
     MSGPACK: msgpack_format.read,
     ORBAX: orbax_format.read,
     TORCH_PT: torch_format.read,

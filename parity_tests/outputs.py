@@ -3,6 +3,7 @@ whole or not at all."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -45,6 +46,25 @@ def json_safe(value: Any) -> Any:
     if hasattr(value, "tolist"):  # numpy array
         return json_safe(value.tolist())
     return finite(value)
+
+
+class ReportError(NeedleTwinError, ValueError):
+    """A saved report cannot be read or re-scored."""
+
+
+def read_report_object(path: str | Path, command: str) -> dict:
+    """The JSON object a report file holds; `command` (e.g. "parity") names what writes such files."""
+    p = Path(path)
+    hint = f"give the file written by `needle-twin {command} --json`"
+    if not p.is_file():
+        raise ReportError(f"{p}: no such report; {hint}")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ReportError(f"{p} is not valid JSON ({e}); {hint}") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{p} holds a JSON {type(data).__name__}, not a report object")
+    return data
 
 
 def check_outputs(paths: Sequence[str | None], force: bool) -> None:

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity_tests.outputs import CSS, finite, json_safe
-from parity_tests.report import ReportError
+from parity_tests.outputs import CSS, ReportError, finite, json_safe, read_report_object
 
 SCHEMA = "needle-twin/quant-report"
 SCHEMA_VERSION = 1
@@ -205,17 +204,7 @@ def to_json(report: QuantReport) -> str:
 
 
 def load_json(path: str | Path) -> QuantReport:
-    p = Path(path)
-    if not p.is_file():
-        raise ReportError(f"{p}: no such report; give the file written by `needle-twin quant --json`")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ReportError(f"{p} is not valid JSON ({e}); give the file written by `needle-twin quant --json`") \
-            from None
-    if not isinstance(data, dict):
-        raise ReportError(f"{p} holds a JSON {type(data).__name__}, not a report object")
-    return QuantReport.from_dict(data)
+    return QuantReport.from_dict(read_report_object(path, "quant"))
 
 
 # ----------------------------------------------------------------------------- text

@@ -15,19 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from convert.errors import NeedleTwinError
 from parity_tests.metrics import max_rel_of
-from parity_tests.outputs import CSS, finite, json_safe
+from parity_tests.outputs import CSS, ReportError, finite, json_safe, read_report_object
 from parity_tests.tolerances import Profile, judge
 
 SCHEMA = "needle-twin/parity-report"
 SCHEMA_VERSION = 1
 CORE_METRICS = ("max_abs", "mean_abs", "rel_l2", "cosine", "ref_max_abs", "nan_matched", "nan_mismatch")
 LOGIT_METRICS = ("kl_mean", "kl_max", "top1", "top5")
-
-
-class ReportError(NeedleTwinError, ValueError):
-    """A saved report cannot be read or re-scored."""
 
 
 @dataclass
@@ -183,17 +178,7 @@ def to_json(report: Report) -> str:
 
 
 def load_json(path: str | Path) -> Report:
-    p = Path(path)
-    if not p.is_file():
-        raise ReportError(f"{p}: no such report; give the file written by `needle-twin parity --json`")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ReportError(f"{p} is not valid JSON ({e}); give the file written by `needle-twin parity --json`") \
-            from None
-    if not isinstance(data, dict):
-        raise ReportError(f"{p} holds a JSON {type(data).__name__}, not a report object")
-    return Report.from_dict(data)
+    return Report.from_dict(read_report_object(path, "parity"))
 
 
 def rescore(report: Report, profile: Profile) -> Report:

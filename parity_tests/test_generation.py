@@ -11,7 +11,7 @@ from parity_tests.devices import pinned_precision
 from parity_tests.generation import first_diff_step
 from parity_tests.inputs import Batch
 from parity_tests.twins import build_twins
-from parity_tests.v1 import ADAPTER
+from parity_tests.v1.adapter import ADAPTER
 from parity_tests.v1.runs import generation
 
 SPECIAL = SPECIAL_IDS  # the fixtures' greedy loop never chose ids 0..5

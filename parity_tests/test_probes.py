@@ -16,7 +16,7 @@ from needle_torch import SimpleAttentionNetwork as TorchNet
 from parity_tests import probes
 from parity_tests.devices import pinned_precision
 from parity_tests.twins import build_twins
-from parity_tests.v1 import ADAPTER
+from parity_tests.v1.adapter import ADAPTER
 from parity_tests.v1.inputs import random_batch
 from parity_tests.v1.probes import probe_table
 from parity_tests.v1.runs import flax_probes as flax_run

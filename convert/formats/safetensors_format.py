@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from convert import registry, sink
+from convert import sink
 from convert.errors import CheckpointError, NeedleTwinError, one_line
 from convert.formats.common import (
     FAMILY_KEY,
@@ -146,8 +146,12 @@ def read_file(path: Path) -> Source:
                   dict(metadata), lambda: file_sha256(path), metadata.get(FAMILY_KEY))
 
 
-def read_dir(path: Path) -> Source:
-    """HF-style directory: config.json plus model.safetensors or index-listed shards."""
+FamilyFor = Callable[[str | None, Mapping[str, TensorRef], str], Any]  # (recorded family, tensors, where) -> Family
+
+
+def read_dir(path: Path, family_for: FamilyFor) -> Source:
+    """HF-style directory: config.json plus model.safetensors or index-listed shards. family_for: the family of a
+    recorded name, else of the tensor names (convert.io passes the registry's rule; this module is below it)."""
     index_path = path / INDEX_NAME
     if index_path.is_file():
         weight_map = _read_index(index_path)
@@ -176,7 +180,8 @@ def read_dir(path: Path) -> Source:
         on_disk = load_config_json(config_path)
         family = family or on_disk.get(FAMILY_KEY)
         on_disk.pop(FAMILY_KEY, None)
-        problem = _contradiction(on_disk, config, family, tensors, path) if config is not None else None
+        problem = None if config is None else \
+            _contradiction(on_disk, config, lambda: family_for(family, tensors, str(path)))
         if problem:
             raise CheckpointError(f"{config_path} contradicts the config recorded in {files[0]} ({problem}); "
                                   "restore the original config.json")
@@ -184,12 +189,11 @@ def read_dir(path: Path) -> Source:
     return Source(path, DIR_FORMAT, TORCH, tensors, config, origin, metadata, lambda: file_sha256(path), family)
 
 
-def _contradiction(on_disk: Mapping[str, Any], recorded: Mapping[str, Any], family: str | None,
-                   tensors: Mapping[str, TensorRef], path: Path) -> str | None:
+def _contradiction(on_disk: Mapping[str, Any], recorded: Mapping[str, Any], kind: Callable[[], Any]) -> str | None:
     """Why config.json contradicts the recorded config (its own error, or the fields that differ), or None."""
     try:
-        kind = registry.family_named(family) if family else registry.detect(tensors, TORCH, str(path))
-        mine, theirs = kind.config_from_dict(on_disk), kind.config_from_dict(recorded)
+        family = kind()
+        mine, theirs = family.config_from_dict(on_disk), family.config_from_dict(recorded)
     except NeedleTwinError as e:
         return None if dict(on_disk) == dict(recorded) else str(e)
     return "; ".join(f"{k}: {a!r} there, {b!r} recorded" for k, (a, b) in mine.differences(theirs).items()) or None

@@ -134,7 +134,7 @@ def test_inspect_json_lists_everything(tmp_path):
     assert info["dtypes"] == {"float16": info["num_tensors"]}
     tensors = {t["name"]: t for t in info["tensors"]}
     assert tensors["encoder.layers.1.self_attn.q_proj.weight"] == {
-        "name": "encoder.layers.1.self_attn.q_proj.weight", "shape": [64, 64], "dtype": "float16"}
+        "name": "encoder.layers.1.self_attn.q_proj.weight", "shape": [64, 64], "dtype": "float16", "layer": 1}
     assert info["metadata"]["source_format"] == "upstream-pickle"
 
 

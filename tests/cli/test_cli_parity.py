@@ -232,13 +232,25 @@ def test_tokenizer_text_inputs(tmp_path):
 
 @pytest.mark.slow
 def test_embedded_default_runs_as_the_readme_says(tmp_path):
-    """The README's main command: no checkpoint, the seeded random published-size model."""
+    """The README's main command: no checkpoint, the seeded random published-size Needle 2 (with both heads)."""
     out = tmp_path / "r.json"
     r = run_cli("parity", "--json", out, "--no-grads", "--generate", "2", timeout=PROCESS_TIMEOUT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["num_params"] == 26_315_421 and report["passed"] is True
+    assert report["num_params"] == 45_211_383 and report["passed"] is True  # issue 11's count with both heads
+    assert report["model"]["family"] == "v2"
     assert report["model"]["seed"] == 0 and report["environment"]["seeds"] == {"inputs": 0, "model": 0}
+    assert report["generation"]["steps_compared"] == 2
+
+
+def test_embedded_v1_default_runs_with_family_v1(tmp_path):
+    """--family v1: Needle v1's published-size embedded model, as before Needle 2 became the default."""
+    out = tmp_path / "r.json"
+    r = run_cli("parity", "--family", "v1", "--json", out, "--no-grads", "--generate", "2", timeout=PROCESS_TIMEOUT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["num_params"] == 26_315_421 and report["passed"] is True
+    assert report["model"]["family"] == "v1"
     assert len(report["probes"]) == 1 + 12 * 3 + 1 + 1 + 8 * 3 + 1 + 2
     assert report["generation"]["steps_compared"] == 2  # special ids suppressed: no stop at EOS
 

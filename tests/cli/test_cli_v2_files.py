@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from convert import io
+from convert.trees import flatten_tree
 from parity_tests.fixtures import DATA, V2_LORA, V2_NPZ, V2_PKL, V2_SPM
 from parity_tests.metrics import max_rel
 from tests.convert_helpers import run_cli
@@ -148,7 +149,10 @@ def test_merged_adapter_gives_upstreams_lora_logits(tmp_path):
 
     base32, out = tmp_path / "base32.pkl", tmp_path / "merged.safetensors"
     assert _invoke("convert", V2_PKL, base32, "--dtype", "float32").exit_code == 0
-    assert _invoke("convert", V2_LORA, out, "--base", base32, "--merge").exit_code == 0
+    merged = _invoke("convert", V2_LORA, out, "--base", base32, "--merge")
+    assert merged.exit_code == 0
+    count = sum(np.asarray(a).size for a in flatten_tree(io.read_checkpoint(base32).params).values())
+    assert f"{count:,} parameters, float32" in merged.output  # the merged model's size, not the adapter's
     with np.load(V2_NPZ) as z:
         tokens, want = z["tokens"], z["f32/lora_logits"]
     model = SimpleAttentionNetwork.from_pretrained(out)

@@ -104,8 +104,8 @@ def test_generate_query_and_tools_streams_text_and_ids(tokenizer_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "exactly one encoder input"),
-    (["--tokens", "1 2", "--query", "hi"], "exactly one encoder input"),
+    ([], "give exactly one input: --tokens IDS, or --query TEXT"),
+    (["--tokens", "1 2", "--query", "hi"], "give exactly one input: --tokens IDS, or --query TEXT"),
     (["--query", "hi"], "--query needs --tokenizer"),
     (["--tokens", "1 x"], "not a list of integer token ids"),
     (["--tokens", "1 999"], "outside the model's vocabulary"),

@@ -12,7 +12,7 @@ from convert.v1.config import FIRST_PLAIN_ID, TransformerConfig
 from needle_torch.layers import TORCH_DTYPES
 from parity_tests.metrics import max_rel
 from parity_tests.twins import build_twins
-from parity_tests.v1 import ADAPTER
+from parity_tests.v1.adapter import ADAPTER
 
 __all__ = ["TORCH_DTYPES", "padded_tokens", "rel_err", "run_twins", "to_np", "torch_model"]
 

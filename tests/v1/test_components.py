@@ -241,7 +241,7 @@ def test_torch_dtype_names_are_the_config_dtypes_and_unknown_names_fail_in_one_l
     from convert.fields import DTYPES
     from convert.mapping import random_flax_params
     from convert.v1.config import TransformerConfig
-    from needle_torch.v1.model import TORCH_DTYPES
+    from needle_torch.layers import TORCH_DTYPES
 
     assert tuple(TORCH_DTYPES) == DTYPES
     cfg = TransformerConfig(vocab_size=40, d_model=16, num_heads=4, num_kv_heads=2, max_seq_len=16)

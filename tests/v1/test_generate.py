@@ -24,7 +24,7 @@ from needle_torch.v1.generate import pick
 from needle_torch.v1.model import make_padding_mask as torch_padding_mask
 from parity_tests.metrics import max_rel
 from parity_tests.twins import build_twins
-from parity_tests.v1 import ADAPTER
+from parity_tests.v1.adapter import ADAPTER
 
 SPECIAL = SPECIAL_IDS  # PAD EOS BOS UNK <tool_call> <tools>: the fixtures' greedy loop never chose these
 F32_REL = 1e-5  # float32 twins of one function: ~5e-7 seen; 1e-5 is the project's float32 logits budget
