@@ -14,9 +14,25 @@ from typing import Any
 
 import numpy as np
 
+from convert.errors import GenerationError
+from convert.fields import DTYPES
 from parity_tests.metrics import max_rel
 
 Run = tuple[np.ndarray, np.ndarray]  # (tokens (B, 1 + steps) int64, logits (B, steps, V) float32)
+
+
+def generation_config(config: Any, backend: str, dtype: str | None, compile: bool) -> Any:
+    """The checkpoint's config in the compute dtype a generate-from-checkpoint call asked for (None: the
+    config's own), after checking the backend, dtype and compile choices (one-line errors naming the fix)."""
+    if backend not in ("torch", "flax"):
+        raise GenerationError(f"--backend {backend!r} is unknown; use torch or flax")
+    if compile and backend != "torch":
+        raise GenerationError("--compile is for the torch backend (the flax loop is always jitted); drop it or "
+                              "use --backend torch")
+    dtype = dtype or config.dtype
+    if dtype not in DTYPES:
+        raise GenerationError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    return config.replace(dtype=dtype)
 
 
 def first_diff_step(a: np.ndarray, b: np.ndarray, pad: int) -> int | None:

@@ -15,8 +15,7 @@ chosen. Shapes: B batch, S source length, L cache length (= max_new_tokens), V v
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -25,20 +24,8 @@ from jax.experimental import io_callback
 
 from convert.generation import check_generate_args
 from needle_flax.layers import make_causal_mask, make_padding_mask, precompute_rope_freqs
+from needle_flax.streaming import Streamer, emit, run_streaming
 from needle_flax.v1.model import SimpleAttentionNetwork
-
-Streamer = Callable[[np.ndarray], None]  # called with the (B,) int32 tokens of each step, in order
-
-# The compiled loop calls one fixed host function, which forwards to the streamer of the running
-# call: a new streamer does not mean a new compilation. XLA runs the callback on its own thread,
-# so this is a process-wide slot (not thread-local), held under a lock for a streaming call.
-_stream_lock = threading.Lock()
-_current_streamer: Streamer | None = None
-
-
-def _emit(tokens) -> None:
-    if _current_streamer is not None:
-        _current_streamer(np.asarray(tokens))
 
 
 def _pick(logits, done, suppress, eos, pad):
@@ -93,7 +80,7 @@ def _cached_loop(params, src, src_mask, eos, pad, suppress, *, model: SimpleAtte
         if return_logits:
             all_logits = all_logits.at[:, t].set(logits)
         if stream:
-            io_callback(_emit, None, nxt, ordered=True)
+            io_callback(emit, None, nxt, ordered=True)
         return out, all_logits
 
     out = jnp.full((B, L + 1), pad, jnp.int32).at[:, 0].set(eos)  # (B, 1+L)
@@ -139,17 +126,7 @@ def generate(model: SimpleAttentionNetwork, params, src, src_mask=None, max_new_
             return_logits=return_logits)
         return out, int(steps), logits  # int(): waits for the loop, so every streamed step has been emitted
 
-    if streamer is None:  # the loop emits nothing: no need for the streamer slot
-        out, steps, logits = run()
-    else:
-        global _current_streamer
-        with _stream_lock:
-            _current_streamer = streamer
-            try:
-                out, steps, logits = run()
-                jax.effects_barrier()  # ordered callbacks have all run before the streamer slot is cleared
-            finally:
-                _current_streamer = None
+    out, steps, logits = run_streaming(run, streamer)
     tokens = out[:, : 1 + steps]
     return (tokens, logits[:, :steps]) if return_logits else tokens
 

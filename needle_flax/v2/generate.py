@@ -26,8 +26,6 @@ N engram tables.
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -38,23 +36,10 @@ from jax.experimental import io_callback
 from convert.v2.config import ENGRAM_TAPS, TransformerConfig
 from convert.v2.generation import check_generate_args, prompt_validity
 from needle_flax.layers import ZCRMSNorm, compute_dtype, make_causal_mask, precompute_rope_freqs
+from needle_flax.streaming import Streamer, emit, run_streaming
 from needle_flax.v2.engram import engram_indices, shift_right
 from needle_flax.v2.lanes import lane_offsets
 from needle_flax.v2.model import MHCLayer, SimpleAttentionNetwork
-
-Streamer = Callable[[np.ndarray], None]  # called with the (B,) int32 tokens of each step, in order
-
-# The compiled loop calls one fixed host function, which forwards to the streamer of the running call: a new
-# streamer does not mean a new compilation. XLA runs the callback on its own thread, so this is a process-wide
-# slot (not thread-local), held under a lock for a streaming call.
-_stream_lock = threading.Lock()
-_current_streamer: Streamer | None = None
-
-
-def _emit(tokens) -> None:
-    if _current_streamer is not None:
-        _current_streamer(np.asarray(tokens))
-
 
 # ----------------------------------------------------------------------------- masks
 
@@ -277,7 +262,7 @@ def _cached_loop(params, request: _Request, *, model: SimpleAttentionNetwork, ma
         if return_logprobs:
             all_logp = all_logp.at[:, t].set(logp)
         if stream:
-            io_callback(_emit, None, nxt, ordered=True)
+            io_callback(emit, None, nxt, ordered=True)
         return done, key, out, all_logits, all_logp
 
     out = jnp.full((B, G), r.pad, jnp.int32)  # (B, G)
@@ -299,21 +284,6 @@ def _cached_loop(params, request: _Request, *, model: SimpleAttentionNetwork, ma
 
     steps, _, _, out, all_logits, all_logp, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), *state, cache))
     return out, steps, all_logits, all_logp
-
-
-def _run(loop: Callable, streamer: Streamer | None):
-    """Run loop() (-> out, steps, logits, logp), with the streamer slot set while it streams."""
-    if streamer is None:  # the loop emits nothing: no need for the streamer slot
-        return loop()
-    global _current_streamer
-    with _stream_lock:
-        _current_streamer = streamer
-        try:
-            result = loop()
-            jax.effects_barrier()  # ordered callbacks have all run before the streamer slot is cleared
-        finally:
-            _current_streamer = None
-    return result
 
 
 def _result(out, steps: int, logits, logp, return_logits: bool, return_logprobs: bool):
@@ -363,7 +333,7 @@ def generate(model: SimpleAttentionNetwork, params, tokens, max_new_tokens: int 
                                                 return_logprobs=return_logprobs)
         return out, int(steps), logits, logp  # int(): waits for the loop, so every streamed step has been emitted
 
-    return _result(*_run(loop, streamer), return_logits, return_logprobs)
+    return _result(*run_streaming(loop, streamer), return_logits, return_logprobs)
 
 
 # ----------------------------------------------------------------------------- upstream recompute (reference)

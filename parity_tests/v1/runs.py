@@ -17,8 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from convert.errors import GenerationError, NeedleTwinError
-from convert.fields import DTYPES
+from convert.errors import NeedleTwinError
 from convert.trees import flatten_tree
 from convert.v1.config import EOS_ID, TransformerConfig
 from needle_flax import layers as flax_layers
@@ -30,7 +29,7 @@ from needle_torch.v1 import SimpleAttentionNetwork as TorchModel
 from needle_torch.v1.generate import generate as torch_generate
 from needle_torch.v1.generate import generate_recompute as torch_recompute
 from parity_tests import probes
-from parity_tests.generation import generation_parity
+from parity_tests.generation import generation_config, generation_parity
 from parity_tests.inputs import Batch
 from parity_tests.twins import Twins
 from parity_tests.v1.probes import probe_table
@@ -173,15 +172,8 @@ def generate_from_checkpoint(checkpoint, src_ids: list[int], *, backend: str = "
     full-precision matmuls in both frameworks. streamer: called with each new token id (int) as it is chosen.
     compile: torch backend only, run the decoder step under torch.compile (see needle_torch.v1.generate).
     """
-    if backend not in ("torch", "flax"):
-        raise GenerationError(f"--backend {backend!r} is unknown; use torch or flax")
-    if compile and backend != "torch":
-        raise GenerationError("--compile is for the torch backend (the flax loop is always jitted); drop it or "
-                              "use --backend torch")
-    dtype = dtype or checkpoint.config.dtype
-    if dtype not in DTYPES:
-        raise GenerationError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
-    config = checkpoint.config.replace(dtype=dtype)
+    config = generation_config(checkpoint.config, backend, dtype, compile)
+    dtype = config.dtype
     emit = None if streamer is None else (lambda step_tokens: streamer(int(step_tokens[0])))
     args = dict(max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, suppress_tokens=suppress_tokens,
                 pad_token_id=config.pad_token_id, streamer=emit)

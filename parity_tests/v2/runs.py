@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from convert.errors import GenerationError, NeedleTwinError
-from convert.fields import DTYPES
 from convert.rules import TORCH
 from convert.trees import flatten_tree
 from convert.v2.chat import batched_generate_cap
@@ -33,7 +32,7 @@ from needle_torch.v2 import SimpleAttentionNetwork as TorchModel
 from needle_torch.v2.generate import generate as torch_generate
 from needle_torch.v2.generate import generate_recompute as torch_recompute
 from parity_tests import probes
-from parity_tests.generation import generation_parity
+from parity_tests.generation import generation_config, generation_parity
 from parity_tests.inputs import Batch
 from parity_tests.twins import Twins
 from parity_tests.v2.probes import DEFAULT_PASSES, probe_table
@@ -229,15 +228,8 @@ def generate_from_checkpoint(checkpoint, prompt_ids: Sequence[int], *, backend: 
     in float32). sink: a bool per prompt position kept visible under kv_window. streamer: called with each new id
     (int) as it is chosen, until EOS. compile: torch only, one torch.compile graph per step.
     """
-    if backend not in ("torch", "flax"):
-        raise GenerationError(f"--backend {backend!r} is unknown; use torch or flax")
-    if compile and backend != "torch":
-        raise GenerationError("--compile is for the torch backend (the flax loop is always jitted); drop it or "
-                              "use --backend torch")
-    dtype = dtype or checkpoint.config.dtype
-    if dtype not in DTYPES:
-        raise GenerationError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
-    config = checkpoint.config.replace(dtype=dtype)
+    config = generation_config(checkpoint.config, backend, dtype, compile)
+    dtype = config.dtype
     room = config.max_seq_len - len(prompt_ids)
     if room < 1:
         raise GenerationError(f"the prompt has {len(prompt_ids)} ids, the model's max_seq_len is "
