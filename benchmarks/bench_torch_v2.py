@@ -2,17 +2,20 @@
 
 At the published `base` size (random weights, convert.mapping.random_flax_params(config, seed=0)), a
 256-token prompt and 64 new tokens (EOS never stops a row), for batch 1 and 32, float32 and bfloat16,
-torch eager and torch compiled (compile=True):
+torch eager, torch compiled (compile=True: the decoding steps) and compiled-all (compile="all": the prefill too):
   tokens/s      new tokens / decode time (the 63 steps after the first token), best of --repeats
+  e2e tok/s     every new token / the whole request (prefill included), best of --repeats
   prefill ms    time to the first token: argument checks, cache allocation and the prefill pass
   compile s     first compiled request minus a warm one
   % of bound    tokens/s against the memory-bandwidth bound: bytes a step must read (weights in their dtype,
                 the tied embedding, the engram projections, the K/V cache over the mean attended length)
                 / the copy bandwidth measured in the same process (2 x bytes / time of a 256 MiB copy_)
-  x upstream    against upstream's own figures on the 2-core AVX2 machine: decode.py's loop 12.1 tok/s at batch 1
-                (float32: upstream decodes in float32), prefill 412 ms, the batched rollout 47.7 tok/s at batch 32
+  x upstream    against upstream's own figures on the 2-core AVX2 machine (issue 14; upstream decodes in float32),
+                like for like: decode tok/s against decode tok/s (decode.py's loop 12.1 tok/s at batch 1, the
+                batched rollout's steps 69 tok/s at batch 32), end to end against end to end (batch 1: 64 tokens
+                after a 412 ms prefill at 12.1 tok/s = 11.4 tok/s; batch 32: the rollout's 47.7 tok/s)
 Targets (issue): batch 1 >= 10x the loop in float32 (>= 121 tok/s) and >= 50 % of the bound in bf16; batch 32
->= 5x the rollout (>= 239 tok/s); prefill <= 412 ms.
+>= 5x the rollout; prefill <= 412 ms at batch 1.
 
 Both CPU kinds in one run: every cell set runs in its own process, once on this CPU as it is and once as an
 AVX2-only CPU without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), and each bf16 cell set with
@@ -22,7 +25,7 @@ itself. --v1 adds Needle v1's torch cells from benchmarks/bench_generate.py (bf1
 batch-1 decode end to end) on the same grid. Each process prints the CPU features it found and the path that ran.
 
 Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
-       [--no-compile] [--no-emulate] [--v1] [--new-tokens 64] [--prompt-len 256]
+       [--modes eager compiled compiled-all] [--no-emulate] [--v1] [--new-tokens 64] [--prompt-len 256]
 Run on an otherwise idle machine: the load average is printed before and after every process (2 shared cores:
 a busy neighbour makes multi-threaded figures meaningless).
 """
@@ -53,7 +56,17 @@ from needle_torch.v1.generate import generate as generate_v1  # noqa: E402
 from needle_torch.v1.model import SimpleAttentionNetwork as ModelV1  # noqa: E402
 from needle_torch.v2 import SimpleAttentionNetwork  # noqa: E402
 
-UPSTREAM = {"loop_b1": 12.1, "prefill_ms": 412.0, "rollout_b32": 47.7}  # tok/s, ms, tok/s (issue text)
+# Issue 14's figures for upstream: decode tok/s of the batch-1 loop, its prefill ms, the batch-32 rollout's steps-only
+# and end-to-end tok/s.
+UPSTREAM = {"loop_b1": 12.1, "prefill_ms": 412.0, "steps_b32": 69.0, "rollout_b32": 47.7}
+MODES = {"eager": False, "compiled": True, "compiled-all": "all"}  # generate's compile argument per mode
+
+
+def upstream_rates(batch: int, new: int) -> tuple[float, float]:
+    """(decode tok/s, end-to-end tok/s) of upstream at this batch size, from the issue's figures."""
+    if batch == 1:
+        return UPSTREAM["loop_b1"], new / (UPSTREAM["prefill_ms"] / 1e3 + (new - 1) / UPSTREAM["loop_b1"])
+    return UPSTREAM["steps_b32"], UPSTREAM["rollout_b32"]
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
@@ -87,7 +100,7 @@ def step_bytes(cfg, batch: int, prompt: int, new: int, item: int) -> int:
 # ----------------------------------------------------------------------------- one process: the cells of one setting
 
 
-def run_v2(dtype: str, batch: int, compile: bool, args) -> dict:
+def run_v2(dtype: str, batch: int, compile: bool | str, args) -> dict:
     cfg = NEEDLE_V2_PUBLISHED
     model = SimpleAttentionNetwork.from_flax(random_flax_params(cfg, seed=0, groups=()), cfg, dtype=dtype)
     rng = np.random.default_rng(1)
@@ -109,8 +122,8 @@ def run_v2(dtype: str, batch: int, compile: bool, args) -> dict:
     warm = min(p + d for p, d in runs)
     prefill, decode = min(p for p, _ in runs), min(d for _, d in runs)
     item = torch.finfo(model.dtype).bits // 8
-    return {"tok_s": batch * (G - 1) / decode, "prefill_ms": 1e3 * prefill,
-            "compile_s": first - warm if compile else None,
+    return {"tok_s": batch * (G - 1) / decode, "e2e_tok_s": batch * G / warm, "prefill_ms": 1e3 * prefill,
+            "compile_s": first - warm if compile is not False else None,
             "bytes": step_bytes(cfg, batch, args.prompt_len, G, item)}
 
 
@@ -147,7 +160,7 @@ def child(args) -> None:
             out["cells"][spec] = run_v1(args)
             continue
         dtype, batch, mode = spec.split(",")
-        out["cells"][spec] = run_v2(dtype, int(batch), mode == "compiled", args)
+        out["cells"][spec] = run_v2(dtype, int(batch), MODES[mode], args)
     out["load_after"] = os.getloadavg()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -170,7 +183,7 @@ def spawn(cells: list[str], env: dict, args) -> dict:
     raise SystemExit(f"a benchmark process failed ({env}):\n{proc.stderr[-3000:]}")
 
 
-def report(kind: str, res: dict) -> list[str]:
+def report(kind: str, res: dict, new: int) -> list[str]:
     bw = res["bandwidth"]
     bf16 = any(spec.startswith("bfloat16") or spec == "v1" for spec in res["cells"])
     path = f"bf16 path {res['path']} ({res['reason']}); left alone: {res['auto']}" if bf16 else \
@@ -178,7 +191,8 @@ def report(kind: str, res: dict) -> list[str]:
     lines = [f"\n{kind}, {path}",
              f"  CPU features {' '.join(res['features'])}; ATen {res['capability']}; copy bandwidth "
              f"{bw / 1e9:.1f} GB/s; load {res['load_before'][0]:.2f} -> {res['load_after'][0]:.2f}",
-             f"  {'cell':<24}{'tok/s':>9}{'prefill ms':>12}{'compile s':>11}{'of bound':>10}{'x upstream':>12}"]
+             f"  {'cell':<26}{'tok/s':>8}{'e2e tok/s':>11}{'prefill ms':>12}{'compile s':>11}{'of bound':>10}"
+             f"{'x upstream decode':>19}{'x e2e':>8}"]
     for spec, c in res["cells"].items():
         if spec == "v1":
             lines.append(f"  v1 bf16 encode {c['encode_ms']:.1f} ms; compiled batch-1 decode {c['decode_tok_s']:.1f} "
@@ -186,10 +200,11 @@ def report(kind: str, res: dict) -> list[str]:
             continue
         dtype, batch, mode = spec.split(",")
         bound = int(batch) * bw / c["bytes"]
-        ref = UPSTREAM["loop_b1"] if batch == "1" else UPSTREAM["rollout_b32"]
+        decode_ref, e2e_ref = upstream_rates(int(batch), new)
         comp = "-" if c["compile_s"] is None else f"{c['compile_s']:.1f}"
-        lines.append(f"  {dtype + ' b' + batch + ' ' + mode:<24}{c['tok_s']:>9.1f}{c['prefill_ms']:>12.0f}{comp:>11}"
-                     f"{c['tok_s'] / bound:>10.0%}{c['tok_s'] / ref:>11.1f}x")
+        lines.append(f"  {dtype + ' b' + batch + ' ' + mode:<26}{c['tok_s']:>8.1f}{c['e2e_tok_s']:>11.1f}"
+                     f"{c['prefill_ms']:>12.0f}{comp:>11}{c['tok_s'] / bound:>10.0%}{c['tok_s'] / decode_ref:>18.1f}x"
+                     f"{c['e2e_tok_s'] / e2e_ref:>7.1f}x")
     return lines
 
 
@@ -201,7 +216,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--no-emulate", dest="emulate", action="store_false", help="skip the AVX2-only runs")
     parser.add_argument("--v1", action="store_true", help="also Needle v1's torch encode and compiled decode")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -211,7 +226,7 @@ def main() -> None:
         return child(args)
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; upstream's figures: {UPSTREAM}")
-    modes = ["eager", "compiled"] if args.compile else ["eager"]
+    modes = args.modes
     kinds = [("this CPU", {})] + ([("AVX2-only (emulated)", AVX2_ENV)] if args.emulate else [])
     for kind, env in kinds:
         for dtype in args.dtype:
@@ -221,7 +236,7 @@ def main() -> None:
                 if args.v1 and dtype == "bfloat16":
                     cells.append("v1")
                 res = spawn(cells, {**env, **({"NEEDLE_TWIN_BF16": forced} if forced else {})}, args)
-                for line in report(kind, res):
+                for line in report(kind, res, args.new_tokens):
                     print(line, flush=True)
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
 from needle_torch.kernels import CompiledStep
 from needle_torch.layers import make_causal_mask
@@ -45,6 +46,21 @@ def pick(logits: Tensor, done: Tensor, eos: int | Tensor, pad: int | Tensor, noi
     logp = logits.log_softmax(dim=-1).gather(-1, nxt[:, None])[:, 0]  # (B,)
     nxt = torch.where(done, pad, nxt)
     return nxt, done | (nxt == eos), torch.where(done, 0.0, logp)
+
+
+def _prefill(model: nn.Module, prompts: Tensor, cache) -> Tensor:
+    """The prefill pass over the left-padded prompts: the float32 logits (B, V) that choose token 0."""
+    return model.decode_step(prompts, cache, 0, last_only=True)[:, 0]
+
+
+def compile_choice(compile: bool | str) -> tuple[bool, bool]:
+    """(compile the steps, compile the prefill) for generate's `compile` argument: False, True or "all"."""
+    if compile is False or compile is True:
+        return compile, False
+    if compile == "all":
+        return True, True
+    raise GenerationError(f"compile={compile!r} is not a choice; use False, True (the decoding steps) or 'all' "
+                          "(the prefill too)")
 
 
 def _step_and_pick(model: nn.Module, token: Tensor, cache, pos: int | Tensor, done: Tensor, eos: Tensor,
@@ -129,7 +145,7 @@ def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, sink, temperat
 def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: int = 0, temperature: float = 0.0,
              seed: int | None = None, sink=None, eos_token_id: int | None = 1, pad_token_id: int = 0,
              return_logits: bool = False, return_logprobs: bool = False, streamer: Streamer | None = None,
-             compile: bool = False):
+             compile: bool | str = False):
     """Cached generation: the new tokens LongTensor (B, max_new_tokens), plus (logits, logprobs) on request.
 
     tokens: (B, P) prompts (BOS included), left-padded with pad_token_id as upstream's batched path lays them out;
@@ -163,17 +179,24 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     on the fixture); in bfloat16 the compiled step keeps some intermediates in float32, as XLA's jit does, so
     logits move by ~1-3e-2 relative from eager (fixture), within upstream's own eager-vs-jit gap, and a greedy row
     can take another token where bf16 does not decide the choice.
+    compile="all": the prefill too, as one more torch.compile graph (upstream jits its prefill as well), compiled
+    once per (batch, prompt length, buffer length, dtype), so it pays where requests repeat a shape (left-pad the
+    prompts to one length, as upstream's pad_to does): at the published size on 2 cores the batch-32 prefill of
+    256-token prompts falls from ~13.5 s to ~8 s and batch 1's from ~330 to ~245 ms, for ~65-90 s more compile
+    (benchmarks/bench_torch_v2.py). Not the default: a single request would wait longer than it saves.
     """
+    step_compiled, prefill_compiled = compile_choice(compile)
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, temperature,
                                                   seed, eos_token_id, pad_token_id)
     B, P = prompts.shape
     G, device = int(max_new_tokens), model.device
-    cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=compile)
-    prefill = model.decode_step(prompts, cache, 0, last_only=True)[:, 0]  # (B, V) float32: chooses token 0
+    cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=step_compiled)
+    prefill_fn = CompiledStep(_prefill, STEP_OPTIONS) if prefill_compiled else _prefill
+    prefill = prefill_fn(model, prompts, cache)  # (B, V) float32: chooses token 0
     # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
-    step = CompiledStep(_step_and_pick, STEP_OPTIONS) if compile else _step_and_pick
-    positions = torch.arange(P, P + G, device=device) if compile else range(P, P + G)
+    step = CompiledStep(_step_and_pick, STEP_OPTIONS) if step_compiled else _step_and_pick
+    positions = torch.arange(P, P + G, device=device) if step_compiled else range(P, P + G)
 
     def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):
         if t == 0:

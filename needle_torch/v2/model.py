@@ -661,7 +661,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
     def generate(self, tokens: Tensor, max_new_tokens: int = 64, *, kv_window: int = 0, temperature: float = 0.0,
                  seed: int | None = None, sink: Tensor | None = None, eos_token_id: int | None = 1,
                  pad_token_id: int = 0, return_logits: bool = False, return_logprobs: bool = False,
-                 streamer=None, compile: bool = False):
+                 streamer=None, compile: bool | str = False):
         """Cached generation from left-padded prompts (B, P): the new tokens (B, max_new_tokens), plus the step
         logits and log-probabilities on request; see needle_torch.v2.generate.generate."""
         return generate_cached(self, tokens, max_new_tokens, kv_window=kv_window, temperature=temperature, seed=seed,

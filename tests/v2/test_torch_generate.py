@@ -495,6 +495,37 @@ def test_compiled_generation_matches_eager_and_compiles_one_graph(f32, fx):
     assert (again == 143).sum() == 2
 
 
+@pytest.mark.slow
+def test_compiling_the_prefill_too_is_the_same_function_and_reuses_its_graph(f32, fx):
+    """compile="all": the prefill is a compiled graph as well. Upstream's goldens, eager's logits and log-probs
+    within 1e-6 (float32, every step: step 0 is the prefill's choice), exactly one graph more than compile=True
+    (the prefill's), none for a second request of the same shape with other prompts."""
+    g = fx["g"]
+    counters = torch._dynamo.utils.counters
+    prompts = g["batch_prompts"]
+    generate(f32, prompts, 10, compile=True)  # the step's graph (compiled here, or by the test above)
+    before = counters["stats"]["unique_graphs"]
+    tokens, logits, logp = generate(f32, prompts, 10, return_logits=True, return_logprobs=True, compile="all")
+    assert counters["stats"]["unique_graphs"] - before == 1
+    np.testing.assert_array_equal(tokens.numpy(), g["f32/batch_tokens"])
+    _, eager_logits, eager_logp = generate(f32, prompts, 10, return_logits=True, return_logprobs=True)
+    assert rel(logits[:, 0], eager_logits[:, 0]) <= COMPILED_REL  # the compiled prefill's own logits
+    assert rel(logits, eager_logits) <= COMPILED_REL and rel(logp, eager_logp) <= COMPILED_REL
+    graphs = counters["stats"]["unique_graphs"]
+    V = fx["config"].vocab_size
+    plain = prompts >= FIRST_PLAIN_ID
+    other = np.where(plain, (prompts - FIRST_PLAIN_ID + 57) % (V - FIRST_PLAIN_ID) + FIRST_PLAIN_ID, prompts)
+    assert (other != prompts).sum() == plain.sum()  # every plain id changed; BOS and pads kept
+    assert torch.equal(generate(f32, other, 10, compile="all"), generate(f32, other, 10))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("choice", ["step", "yes", 1, None])
+def test_compile_takes_false_true_or_all(f32, fx, choice):
+    with pytest.raises(GenerationError, match=r"compile=.* is not a choice; use False, True .* or 'all'"):
+        generate(f32, fx["g"]["batch_prompts"], 2, compile=choice)
+
+
 # ----------------------------------------------------------------------------- bf16 products by CPU capability
 
 
