@@ -6,7 +6,8 @@ torch eager, torch compiled (compile=True: the decoding steps) and compiled-all 
   tokens/s      new tokens / decode time (the 63 steps after the first token), best of --repeats
   e2e tok/s     every new token / the whole request (prefill included), best of --repeats
   prefill ms    time to the first token: argument checks, cache allocation and the prefill pass
-  compile s     first compiled request minus a warm one
+  compile s     first compiled request minus a warm one (compiled-all after compiled in one process: the step's
+                graph is already there, so this is the prefill's compile alone)
   % of bound    tokens/s against the memory-bandwidth bound: bytes a step must read (weights in their dtype,
                 the tied embedding, the engram projections, the K/V cache over the mean attended length)
                 / the copy bandwidth measured in the same process (2 x bytes / time of a 256 MiB copy_)
@@ -60,6 +61,7 @@ from needle_torch.v2 import SimpleAttentionNetwork  # noqa: E402
 # and end-to-end tok/s.
 UPSTREAM = {"loop_b1": 12.1, "prefill_ms": 412.0, "steps_b32": 69.0, "rollout_b32": 47.7}
 MODES = {"eager": False, "compiled": True, "compiled-all": "all"}  # generate's compile argument per mode
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 def upstream_rates(batch: int, new: int) -> tuple[float, float]:
@@ -67,7 +69,6 @@ def upstream_rates(batch: int, new: int) -> tuple[float, float]:
     if batch == 1:
         return UPSTREAM["loop_b1"], new / (UPSTREAM["prefill_ms"] / 1e3 + (new - 1) / UPSTREAM["loop_b1"])
     return UPSTREAM["steps_b32"], UPSTREAM["rollout_b32"]
-AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 def copy_bandwidth() -> float:
@@ -226,13 +227,12 @@ def main() -> None:
         return child(args)
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; upstream's figures: {UPSTREAM}")
-    modes = args.modes
     kinds = [("this CPU", {})] + ([("AVX2-only (emulated)", AVX2_ENV)] if args.emulate else [])
     for kind, env in kinds:
         for dtype in args.dtype:
             paths = ["native", "upcast"] if dtype == "bfloat16" else [""]  # float32 takes no bf16 path
             for forced in paths:
-                cells = [f"{dtype},{b},{m}" for b in args.batch for m in modes]
+                cells = [f"{dtype},{b},{m}" for b in args.batch for m in args.modes]
                 if args.v1 and dtype == "bfloat16":
                     cells.append("v1")
                 res = spawn(cells, {**env, **({"NEEDLE_TWIN_BF16": forced} if forced else {})}, args)

@@ -35,18 +35,12 @@ from needle_flax.v2.generate import (
     new_cache,
     pick,
 )
+from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, rel, run_loop_reference
 
 jax.config.update("jax_default_matmul_precision", "highest")  # float32 parity: no reduced-precision passes
 
 DATA = "tests/data/"
-F32_REL = 1e-5  # the project's float32 budget; upstream's own cached vs recompute: 2.9e-6, ours ~1e-6
 BF16_EAGER_VS_JIT = "bf16_eager_vs_scan_logits"  # what XLA fusion alone moves upstream's bf16 logits by (abs)
-G = 10  # new tokens in the goldens
-
-
-def rel(a, ref) -> float:
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
 def cast(tree, dtype):
@@ -71,13 +65,6 @@ def f32(fx):
 @pytest.fixture(scope="module")
 def bf16(fx):
     return SimpleAttentionNetwork(fx["config"].replace(dtype="bfloat16")), cast(fx["params"], ml_dtypes.bfloat16)
-
-
-def chosen_from(g, kind: str) -> np.ndarray:
-    """(B, G, V): the logits each golden token was chosen from: the prefill's last position, then steps 0..G-2."""
-    if kind == "batch":
-        return g["f32/batch_step_logits"]
-    return np.concatenate([g[f"f32/{kind}_prefill_logits"][:, -1:], g[f"f32/{kind}_step_logits"][:, :-1]], axis=1)
 
 
 def encoded(prompts: np.ndarray) -> list[list[int]]:
@@ -152,11 +139,8 @@ def test_generate_gives_upstreams_tokens_and_the_logits_they_came_from(f32, fx, 
     """dec_*: kv_window 0; decw_*: 6 (< M, so the window bites; as decode.py, the engram is not windowed)."""
     g = fx["g"]
     tokens, logits = generate(*f32, g["dec_prompt"], G, kv_window=6 if kind == "decw" else 0, return_logits=True)
-    np.testing.assert_array_equal(np.asarray(tokens), g[f"f32/{kind}_tokens"])
-    ref = chosen_from(g, kind)
-    assert logits.shape == ref.shape == (1, G, fx["config"].vocab_size)
-    for k in range(G):
-        assert rel(logits[:, k], ref[:, k]) <= F32_REL, f"step {k}"
+    assert logits.shape == (1, G, fx["config"].vocab_size)
+    assert_generated(tokens, logits, g[f"f32/{kind}_tokens"], chosen_from(g, kind))
 
 
 def test_the_window_changes_what_upstream_decodes(f32, fx):
@@ -179,26 +163,16 @@ def test_left_padded_batch_reproduces_upstreams_batched_generate(f32, fx):
     for p in range(P):
         assert rel(prefill[:, p], g["f32/batch_prefill_logits"][:, p]) <= F32_REL, f"prefill position {p}"
     tokens, logits, logp = generate(*f32, prompts, G, return_logits=True, return_logprobs=True)
-    np.testing.assert_array_equal(np.asarray(tokens), g["f32/batch_tokens"])
-    for k in range(G):
-        assert rel(logits[:, k], g["f32/batch_step_logits"][:, k]) <= F32_REL, f"step {k}"
-    assert logp.dtype == jnp.float32 and logp.shape == (3, G)
-    assert rel(logp, g["f32/batch_logp"]) <= F32_REL
+    assert_generated(tokens, logits, g["f32/batch_tokens"], g["f32/batch_step_logits"], logp, g["f32/batch_logp"])
 
 
 @pytest.mark.parametrize("kind", ["dec", "batch"])
 def test_recompute_loop_reproduces_upstreams_run_loop_float32(f32, fx, kind):
     """rec_*: run.py's loop on dec_prompt. The batch (left-padded) has no run.py golden: its cached goldens
     stand in, since upstream's cached and batched paths give run.py's tokens (README checks)."""
-    g = fx["g"]
-    if kind == "dec":
-        prompts, ref_tokens, ref_logits = g["dec_prompt"], g["f32/rec_tokens"], g["f32/rec_logits"]
-    else:
-        prompts, ref_tokens, ref_logits = g["batch_prompts"], g["f32/batch_tokens"], g["f32/batch_step_logits"]
+    prompts, ref_tokens, ref_logits = run_loop_reference(fx["g"], kind)
     tokens, logits = generate_recompute(*f32, prompts, G, return_logits=True)
-    np.testing.assert_array_equal(np.asarray(tokens), ref_tokens)
-    for k in range(G):
-        assert rel(logits[:, k], ref_logits[:, k]) <= F32_REL, f"step {k}"
+    assert_generated(tokens, logits, ref_tokens, ref_logits)
 
 
 @pytest.mark.parametrize("which", ["recompute", "cached"])
