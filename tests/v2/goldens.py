@@ -1,4 +1,5 @@
-"""Upstream's Needle 2 generation goldens and the float32 checks both twins' generation tests make against them.
+"""Upstream's Needle 2 generation goldens, the float32 checks both twins' generation tests make against them, and
+the prompts those tests build.
 
 tests/data/needle-v2-tiny.npz (tests/data/README.md, "Needle 2"): `dec_*`, `decw_*`, `batch_*`, `rec_*`, from
 upstream's decode.py and run.py. The checks take arrays, so each twin's test passes its own outputs (torch
@@ -8,6 +9,8 @@ tensors or JAX arrays) as they are. Relative error is max|Δ| / max|ref| per ste
 from __future__ import annotations
 
 import numpy as np
+
+from convert.v2.config import BOS_ID, FIRST_PLAIN_ID
 
 F32_REL = 1e-5  # the project's float32 budget; upstream's own cached vs recompute: 2.9e-6, ours ~1e-6
 G = 10  # new tokens in the goldens
@@ -44,3 +47,12 @@ def assert_generated(tokens, logits, ref_tokens, ref_logits, logp=None, ref_logp
         logp = np.asarray(logp)
         assert logp.dtype == np.float32 and logp.shape == ref_logp.shape
         assert rel(logp, ref_logp) <= F32_REL
+
+
+def left_padded(vocab_size: int, lengths, seed: int = 0, dtype=np.int64) -> np.ndarray:
+    """BOS + plain ids, left-padded with PAD to the longest: (len(lengths), max(lengths))."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((len(lengths), max(lengths)), dtype)
+    for r, n in enumerate(lengths):
+        out[r, -n:] = [BOS_ID, *rng.integers(FIRST_PLAIN_ID, vocab_size, n - 1)]
+    return out

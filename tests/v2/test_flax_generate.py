@@ -21,21 +21,23 @@ import pytest
 from convert.errors import GenerationError
 from convert.io import read_checkpoint
 from convert.mapping import random_flax_params
-from convert.v2.config import BOS_ID, FIRST_PLAIN_ID, TransformerConfig
+from convert.v2.config import TransformerConfig
 from convert.v2.generation import prompt_validity
 from needle_flax.layers import make_causal_mask, precompute_rope_freqs
-from needle_flax.v2 import SimpleAttentionNetwork, engram_masks, sinkhorn
-from needle_flax.v2 import decode as D
-from needle_flax.v2.generate import (
+from needle_flax.v2 import (
+    SimpleAttentionNetwork,
     decode_step,
     engram_history_masks,
+    engram_masks,
     generate,
     generate_recompute,
     make_decode_mask,
     new_cache,
-    pick,
+    sinkhorn,
 )
-from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, rel, run_loop_reference
+from needle_flax.v2 import decode as D
+from needle_flax.v2.generate import pick
+from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, left_padded, rel, run_loop_reference
 
 jax.config.update("jax_default_matmul_precision", "highest")  # float32 parity: no reduced-precision passes
 
@@ -218,21 +220,12 @@ def random_model(name: str):
     return SimpleAttentionNetwork(config), jax.tree.map(jnp.asarray, params)
 
 
-def left_padded(config, lengths, seed=0) -> np.ndarray:
-    """BOS + plain ids, left-padded with PAD to the longest."""
-    rng = np.random.default_rng(seed)
-    out = np.zeros((len(lengths), max(lengths)), np.int32)
-    for r, n in enumerate(lengths):
-        out[r, -n:] = [BOS_ID, *rng.integers(FIRST_PLAIN_ID, config.vocab_size, n - 1)]
-    return out
-
-
 @pytest.mark.parametrize("name", list(RANDOM_CONFIGS))
 def test_cached_equals_recompute_at_every_step_on_random_models(name):
     """Sampled hot (temperature 5, one seed: both loops draw the same keys), so that the fed tokens vary: the tied
     embedding makes a random model repeat its last token when greedy."""
     model, params = random_model(name)
-    prompts = left_padded(model.config, [7, 3, 12, 1])
+    prompts = left_padded(model.config.vocab_size, [7, 3, 12, 1], dtype=np.int32)
     kw = dict(return_logits=True, return_logprobs=True, eos_token_id=None, temperature=5.0, seed=0)
     tokens_c, logits_c, logp_c = generate(model, params, prompts, 12, **kw)
     tokens_r, logits_r, logp_r = generate_recompute(model, params, prompts, 12, **kw)

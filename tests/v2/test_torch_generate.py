@@ -19,7 +19,7 @@ from convert.errors import GenerationError
 from convert.io import read_checkpoint
 from convert.mapping import random_flax_params
 from convert.trees import flatten_tree, unflatten_tree
-from convert.v2.config import BOS_ID, FIRST_PLAIN_ID, TransformerConfig
+from convert.v2.config import FIRST_PLAIN_ID, TransformerConfig
 from convert.v2.generation import prompt_validity
 from needle_torch import kernels
 from needle_torch.layers import make_causal_mask
@@ -27,7 +27,7 @@ from needle_torch.v2 import SimpleAttentionNetwork, engram_masks
 from needle_torch.v2.engram import engram_history_masks
 from needle_torch.v2.generate import generate, generate_recompute, pick
 from needle_torch.v2.model import make_decode_mask
-from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, run_loop_reference
+from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, left_padded, run_loop_reference
 
 torch.set_float32_matmul_precision("highest")  # float32 parity: no reduced-precision passes
 
@@ -205,21 +205,12 @@ def random_model(name: str, dtype=np.float32) -> SimpleAttentionNetwork:
     return SimpleAttentionNetwork.from_flax(widen(params, dtype), config)
 
 
-def left_padded(config, lengths, seed=0) -> np.ndarray:
-    """BOS + plain ids, left-padded with PAD to the longest."""
-    rng = np.random.default_rng(seed)
-    out = np.zeros((len(lengths), max(lengths)), np.int64)
-    for r, n in enumerate(lengths):
-        out[r, -n:] = [BOS_ID, *rng.integers(FIRST_PLAIN_ID, config.vocab_size, n - 1)]
-    return out
-
-
 @pytest.mark.parametrize("name", list(RANDOM_CONFIGS))
 def test_cached_equals_recompute_at_every_step_on_random_models(name):
     """Sampled hot (temperature 5, one seed: both loops draw the same noise), so that the fed tokens vary: the
     tied embedding makes a random model repeat its last token when greedy."""
     model = random_model(name)
-    prompts = left_padded(model.config, [7, 3, 12, 1])
+    prompts = left_padded(model.config.vocab_size, [7, 3, 12, 1])
     kw = dict(return_logits=True, return_logprobs=True, eos_token_id=None, temperature=5.0, seed=0)
     tokens_c, logits_c, logp_c = generate(model, prompts, 14, **kw)
     tokens_r, logits_r, logp_r = generate_recompute(model, prompts, 14, **kw)
@@ -234,7 +225,7 @@ def test_a_left_padded_row_decodes_as_it_does_alone():
     """Left padding only shifts RoPE positions (upstream's batched path): each row alone, unpadded, gives the
     same tokens, and logits within the float32 budget (upstream's own figure: 2.3e-6)."""
     model = random_model("gqa-3lanes-1site-orders234")
-    prompts = left_padded(model.config, [9, 4, 6], seed=3)
+    prompts = left_padded(model.config.vocab_size, [9, 4, 6], seed=3)
     tokens, logits = generate(model, prompts, 8, return_logits=True, eos_token_id=None)
     for r in range(3):
         row = prompts[r:r + 1, (prompts[r] != 0).argmax():]
