@@ -137,35 +137,69 @@ def walsh_matrix(size: int, dtype: torch.dtype = torch.float32, device=None) -> 
 _WALSH: dict[str, Tensor] = {}  # fixed and read-only: built once per (P, dtype, device)
 
 
-def _cached_walsh(size: int, dtype: torch.dtype, device, upcast: bool = False) -> Tensor:
-    """walsh_matrix, built once per (P, dtype, device) (upcast: that dtype's matrix widened to float32). A dict
-    rather than functools.lru_cache: torch.compile traces through an lru_cache (rebuilding H inside every compiled
-    step) but reads a tensor it finds in a dict as a graph input, and only a plain string key lets a compiled
-    region that reads it be reused for every layer (kernels.repeated_region). The eager prefill fills it before
-    any compiled step runs."""
-    key = f"{size}/{dtype}/{torch.device(device)}{'/upcast' if upcast else ''}"
+def _cached(key: str, build) -> Tensor:
+    """_WALSH[key], built by build() on first use. A dict rather than functools.lru_cache: torch.compile traces
+    through an lru_cache (rebuilding the matrix inside every compiled step) but reads a tensor it finds in a dict
+    as a graph input, and only a plain string key lets a compiled region that reads it be reused for every layer
+    (kernels.repeated_region). A compiled region cannot build one either (the new tensor would escape the
+    region), so new_cache builds what the compiled steps will read (prepare_walsh)."""
     if key not in _WALSH:
         with torch.inference_mode(False):  # built under inference_mode it could never be saved for a backward pass
-            h = walsh_matrix(size, dtype, device)
-            _WALSH[key] = h.float() if upcast else h
+            _WALSH[key] = build()
     return _WALSH[key]
 
 
-def walsh_transform(x: Tensor) -> Tensor:
-    """x · cast_dtype(H_P) over the last axis, upstream's dense product in x's dtype (float32 accumulation).
+def _cached_walsh(size: int, dtype: torch.dtype, device, upcast: bool = False) -> Tensor:
+    """walsh_matrix, built once per (P, dtype, device) (upcast: that dtype's matrix widened to float32)."""
+    key = f"{size}/{dtype}/{torch.device(device)}{'/upcast' if upcast else ''}"
+    return _cached(key, lambda: walsh_matrix(size, dtype, device).float() if upcast
+                   else walsh_matrix(size, dtype, device))
 
-    Kept dense on purpose. A Kronecker factorisation (H_P = H_a ⊗ H_b, two small ±1 products in float32, one
-    scale) was measured against it: the same function within the float32 budget (max|Δ|/max|ref| 4.9e-7 at
-    P = 512 in float32; in bf16 it moves 1e-4 of the elements by one ulp), but its CPU speed-up was not
-    reproducible on the 2-core test machine (3.5x at P = 512 on a quiet run, slower at P = 64), while the dense
-    form is one GEMM (tensor cores on a GPU) and keeps bf16 layers bit-identical to upstream's eager ones.
-    On a CPU without bf16 units the bf16 product runs as a float32 one on upcast operands (kernels.bf16_path)."""
-    h = _cached_walsh(x.shape[-1], x.dtype, x.device)
-    if as_reduction(x.shape[:-1].numel(), x.device):  # a compiled decode step: H read once, fused (H = Hᵀ)
-        return matmul_nt(x, h, x.dtype, reduce=True)
+
+def walsh_factors(size: int, dtype: torch.dtype, device=None) -> tuple[Tensor, Tensor]:
+    """(A, B), float32, with cast_dtype(H_P) = A ⊗ B: A the unnormalised Sylvester matrix of size a = 2^⌊log2(P)/2⌋
+    (entries ±1), B that of size P / a times H_P's entry ±cast_dtype(1/√P) (Sylvester order is Kronecker order:
+    H_ab = H_a ⊗ H_b). Exact: every entry of A ⊗ B is ±1 times H_P's entry."""
+    a = 1 << ((size.bit_length() - 1) // 2)
+    dev = torch.device("cpu" if device is None else device)
+    A = _cached(f"{a}/factor/{dev}", lambda: torch.sign(walsh_matrix(a, torch.float32, device)))
+    B = _cached(f"{size}/cofactor/{dtype}/{dev}", lambda: torch.sign(walsh_matrix(size // a, torch.float32, device))
+                * walsh_matrix(size, dtype, device)[0, 0].float())
+    return A, B
+
+
+def prepare_walsh(size: int, dtype: torch.dtype, device) -> None:
+    """Build every Walsh matrix a compiled step at width `size` in `dtype` may read (see _cached)."""
+    _cached_walsh(size, dtype, device)
+    if upcasts(dtype, torch.device(device)):
+        _cached_walsh(size, dtype, device, upcast=True)
+    walsh_factors(size, dtype, device)
+
+
+def walsh_transform(x: Tensor) -> Tensor:
+    """x · cast_dtype(H_P) over the last axis: upstream's dense product in x's dtype (float32 accumulation).
+
+    Eagerly kept dense on purpose: one GEMM (tensor cores on a GPU) that keeps bf16 layers bit-identical to
+    upstream's eager ones. Under torch.compile on CPU, rows of many tokens (a prefill, a batch-32 step) take the
+    Kronecker form instead, H_P = A ⊗ B (walsh_factors): X (rows, a, P/a) -> A·(X·B) in float32, rounded once to
+    x's dtype, the same function up to the order of the float32 sums (max|Δ|/max|ref| 4.4e-7 for the Hadamard
+    MLP at P = 512; in bf16 it can move an element by one ulp, within the compiled step's own bf16 drift) at
+    a·(P/a)·(a + P/a) = 24 K multiply-adds a row instead of 262 K: the compiled MLP at P = 512, 8192 rows took
+    12.3 against 50.1 ms in float32 and 12.1 against 23.6 ms in bf16, at 32 rows 0.14 against 0.47 ms (f32),
+    2 threads. A compiled step of few rows (kernels.as_reduction) keeps the dense form as one fused reduction,
+    where the factored one measured no faster. On a CPU without bf16 units the eager bf16 product runs as a
+    float32 one on upcast operands (kernels.bf16_path)."""
+    P = x.shape[-1]
+    rows = x.shape[:-1].numel()
+    if as_reduction(rows, x.device):  # a compiled decode step: H read once, fused (H = Hᵀ)
+        return matmul_nt(x, _cached_walsh(P, x.dtype, x.device), x.dtype, reduce=True)
+    if torch.compiler.is_compiling() and x.device.type == "cpu":
+        A, B = walsh_factors(P, x.dtype, x.device)
+        X = x.float().reshape(rows, A.shape[0], B.shape[0])  # (rows, a, P/a): x[i·(P/a) + j] = X[i, j]
+        return torch.matmul(A, X @ B).reshape(x.shape).to(x.dtype)  # A, B symmetric
     if upcasts(x.dtype, x.device):
-        return (x.float() @ _cached_walsh(x.shape[-1], x.dtype, x.device, upcast=True)).to(x.dtype)
-    return x @ h
+        return (x.float() @ _cached_walsh(P, x.dtype, x.device, upcast=True)).to(x.dtype)
+    return x @ _cached_walsh(P, x.dtype, x.device)
 
 
 def probe_pool(cells: Tensor, probes: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
@@ -195,12 +229,18 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     dtype, then f32 (the f32 √h promotes), f32 softmax, p·v in float32 (f32 output). Under torch.compile, few
     queries per row (a decode step, any batch) take the explicit path with multiply-and-sum products (float32
     too: the same function as SDPA up to the order of the float32 sums), fused with the mask and softmax, which
-    read the K/V cache once in its own dtype instead of upcasting all of it for a library product."""
+    read the K/V cache once in its own dtype instead of upcasting all of it for a library product. Also under
+    torch.compile on CPU, bf16 flash attention over many queries (a compiled prefill) runs through SDPA's fused kernel
+    with the bias FLASH_NEG: float32 logits and softmax, bf16 p·v, but the probabilities are rounded to bf16
+    before their normalisation rather than after (max|Δ|/max|ref| 3.7e-3 from eager, ~one bf16 ulp, within the
+    compiled step's bf16 drift); it took 54-78 against 139-144 ms for the batch-32 prefill of 256 tokens."""
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
     reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
-    if q.dtype == torch.float32 and not reduce:
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, F32_MIN)
+    fused_bf16 = q.dtype == torch.bfloat16 and flash and torch.compiler.is_compiling() and q.device.type == "cpu"
+    if (q.dtype == torch.float32 or fused_bf16) and not reduce:
+        low = F32_MIN if q.dtype == torch.float32 else FLASH_NEG  # FLASH_NEG: finite in bf16 (F32_MIN rounds to -inf)
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, low)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1 / math.sqrt(h), enable_gqa=H != K)
     G = H // K
     qg = q.reshape(B, K, G * T, h)  # (B, K, G·T, h): query heads k·G .. k·G + G-1 read kv head k
@@ -609,6 +649,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         in_place = self.dtype == torch.float32 or (compiled and reduces_when_compiled(batch, self.device))
         weight = None if in_place else self.embedding.weight.float()
         offsets = [lane_offsets(i, cfg.mhc_lanes, self.device) for i in range(cfg.num_layers)]
+        prepare_walsh(cfg.hada_dim, self.dtype, self.device)  # before any compiled region reads them
         return DecodeCache(k, v, hist, valid, sink, int(kv_window), self._rope(max_len), offsets,
                            weight)
 

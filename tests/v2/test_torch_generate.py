@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -32,6 +35,7 @@ from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, left_pad
 torch.set_float32_matmul_precision("highest")  # float32 parity: no reduced-precision passes
 
 DATA = "tests/data/"
+REPO = Path(__file__).resolve().parents[2]
 COMPILED_REL = 1e-6  # compiled vs eager float32: the same ops, only fused (reduction order), measured ~2e-7
 # bf16 logits vs upstream's jit goldens: this twin is upstream's *eager* bf16 pass, so it may sit as far from the
 # jit values as upstream's own eager run does: 1.1 x the fixture's measured eager-vs-jit logits gap (abs).
@@ -150,11 +154,13 @@ def test_recompute_loop_reproduces_upstreams_run_loop_float32(f32, fx, kind):
     assert_generated(tokens, logits, ref_tokens, ref_logits)
 
 
-@pytest.mark.parametrize("which", ["recompute", "cached", pytest.param("compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("which", ["recompute", "cached", pytest.param("compiled", marks=pytest.mark.slow),
+                                   pytest.param("compiled-all", marks=pytest.mark.slow)])
 def test_bfloat16_reproduces_upstreams_run_loop_where_bf16_decides(bf16, fx, which):
     """bf16 rec_*: the tokens must be upstream's while every step so far was decided beyond bf16 error (top-2
     gap > twice the logits budget), and the logits within budget while the tokens agree. Compiled steps keep some
-    intermediates in float32 (as XLA's jit does): another bf16 rounding path, held to the same budget."""
+    intermediates in float32 (as XLA's jit does): another bf16 rounding path, held to the same budget; so does
+    the compiled prefill (compiled-all: SDPA's fused bf16 attention, the Kronecker Walsh form, the lane mix)."""
     g = fx["g"]
     budget = 1.1 * fx["checks"][BF16_EAGER_VS_JIT]  # abs, 0.073
     ref_tokens, ref_logits = g["bf16/rec_tokens"], g["bf16/rec_logits"]
@@ -162,7 +168,7 @@ def test_bfloat16_reproduces_upstreams_run_loop_where_bf16_decides(bf16, fx, whi
     decided = np.cumprod((top2[:, 1] - top2[:, 0]) > 2 * budget).astype(bool)  # (G,) prefix of decided steps
     assert decided.sum() >= 3, "the check would be nearly vacuous"
     run = generate_recompute if which == "recompute" else generate
-    kw = {"compile": True} if which == "compiled" else {}
+    kw = {"compiled": {"compile": True}, "compiled-all": {"compile": "all"}}.get(which, {})
     tokens, logits = run(bf16, g["dec_prompt"], 10, return_logits=True, **kw)
     assert torch.isfinite(logits).all()
     np.testing.assert_array_equal(tokens.numpy()[0, decided], ref_tokens[0, decided])
@@ -474,6 +480,18 @@ def test_compiled_generation_matches_eager_and_compiles_one_graph(f32, fx):
 
 
 @pytest.mark.slow
+def test_compiled_steps_of_more_rows_than_reductions_take_give_upstreams_tokens(f32, fx):
+    """A batch of 6 rows (> kernels.REDUCE_MAX_ROWS): the compiled step's products are library ones and its Walsh
+    products the Kronecker form. Upstream's batch goldens (the batch twice over), eager's logits within 1e-6."""
+    g = fx["g"]
+    prompts = np.concatenate([g["batch_prompts"]] * 2)
+    assert prompts.shape[0] > kernels.REDUCE_MAX_ROWS
+    tokens, logits = generate(f32, prompts, 10, return_logits=True, compile=True)
+    np.testing.assert_array_equal(tokens.numpy(), np.concatenate([g["f32/batch_tokens"]] * 2))
+    assert rel(logits, generate(f32, prompts, 10, return_logits=True)[1]) <= COMPILED_REL
+
+
+@pytest.mark.slow
 def test_compiling_the_prefill_too_is_the_same_function_and_reuses_its_graph(f32, fx):
     """compile="all": the prefill is a compiled graph as well. Upstream's goldens, eager's logits and log-probs
     within 1e-6 (float32, every step: step 0 is the prefill's choice), exactly one graph more than compile=True
@@ -496,6 +514,30 @@ def test_compiling_the_prefill_too_is_the_same_function_and_reuses_its_graph(f32
     assert (other != prompts).sum() == plain.sum()  # every plain id changed; BOS and pads kept
     assert torch.equal(generate(f32, other, 10, compile="all"), generate(f32, other, 10))
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+FRESH_PROCESS_ALL = """
+import numpy as np, torch
+from convert.io import read_checkpoint
+from needle_torch.v2 import SimpleAttentionNetwork
+torch.set_num_threads(1)
+ckpt = read_checkpoint("tests/data/needle-v2-tiny.pkl")
+model = SimpleAttentionNetwork.from_flax(ckpt.params, ckpt.config)
+tokens = model.generate(np.load("tests/data/needle-v2-tiny.npz")["batch_prompts"], 10, compile="all")
+np.save(__import__("sys").argv[1], tokens.numpy())
+"""
+
+
+@pytest.mark.slow
+def test_compile_all_as_the_first_call_of_a_fresh_process(fx, tmp_path):
+    """compile="all" before anything ran eagerly: the compiled prefill's layer region reads the Walsh matrices,
+    which it cannot build itself (a tensor made inside a nested compile region may not escape it), so new_cache
+    builds them first. Before that, this first call raised dynamo's InternalTorchDynamoError."""
+    out = tmp_path / "tokens.npy"
+    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS_ALL, str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    np.testing.assert_array_equal(np.load(out), fx["g"]["f32/batch_tokens"])
 
 
 @pytest.mark.parametrize("choice", ["step", "yes", 1, None])

@@ -39,7 +39,10 @@ from needle_torch.v2 import (
     rms_unit,
     sinkhorn,
     walsh_matrix,
+    walsh_transform,
 )
+from needle_torch.v2 import model as v2_model
+from needle_torch.v2.lanes import mix_out
 
 jax.config.update("jax_default_matmul_precision", "highest")
 torch.set_float32_matmul_precision("highest")  # float32 parity: no TF32 / reduced-precision passes
@@ -418,6 +421,46 @@ def test_walsh_matrix(P):
     assert np.allclose(H @ H.T, np.eye(P), atol=1e-6) and np.array_equal(H, H.T)
     with pytest.raises(ConfigError, match="power of two"):
         walsh_matrix(48)
+
+
+@pytest.mark.parametrize("P", [1, 2, 64, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_walsh_factors_multiply_to_the_cast_matrix(P, dtype):
+    """A ⊗ B is cast_dtype(H_P) exactly (A = ±1 of size 2^⌊log2(P)/2⌋, B = ±H_P's entry)."""
+    A, B = v2_model.walsh_factors(P, dtype)
+    assert A.shape[0] * B.shape[0] == P and A.abs().eq(1).all()
+    assert torch.equal(torch.kron(A, B), walsh_matrix(P, dtype).float())
+
+
+@pytest.mark.slow
+def test_compiled_walsh_and_lane_mix_are_the_eager_functions(monkeypatch):
+    """Under torch.compile a Walsh product of many rows takes the Kronecker form (walsh_factors) and the lane mix
+    its written-out sum: the same functions up to the order of float32 sums. Float32: within 1e-6 of a float64
+    reference (sums of 64 terms; measured ~2e-7). bf16: the exact product rounded once, so at most one bf16 ulp
+    (2^-7 relative to the element) from the float64 value rounded to bf16, like the library's bf16 GEMM."""
+    for dtype in (torch.float32, torch.bfloat16):
+        v2_model.prepare_walsh(64, dtype, "cpu")
+    factored = []
+    real = v2_model.walsh_factors
+    monkeypatch.setattr(v2_model, "walsh_factors", lambda *a: factored.append(a) or real(*a))
+    x = torch.randn(8, 5, 64, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = torch.compile(walsh_transform, fullgraph=True, dynamic=False)(xd)
+        exact = (xd.double() @ walsh_matrix(64, dtype).double()).numpy()
+        if dtype == torch.float32:
+            assert rel(got, exact) <= 1e-6
+        else:
+            want = torch.from_numpy(exact).to(dtype).double()
+            assert got.dtype == dtype and ((got.double() - want).abs() <= 2.0 ** -7 * want.abs()).all()
+    assert [a[:2] for a in factored] == [(64, torch.float32), (64, torch.bfloat16)]  # traced the factored form
+    g = torch.Generator().manual_seed(1)
+    hres, hpost = torch.rand(2, 3, 4, 4, generator=g), torch.rand(2, 3, 4, generator=g)
+    lanes, y = torch.randn(2, 3, 4, 32, generator=g), torch.randn(2, 3, 32, generator=g)
+    hr, hp, ln, yy = (a.double().numpy() for a in (hres, hpost, lanes, y))
+    exact = np.einsum("btij,btjc->btic", hr, ln) + hp[..., None] * yy[:, :, None]
+    got = torch.compile(mix_out, fullgraph=True, dynamic=False)(hres, hpost, lanes, y, torch.float32)
+    assert rel(got, exact) <= 1e-6 and rel(mix_out(hres, hpost, lanes, y, torch.float32), exact) <= 1e-6
 
 
 def test_hadamard_mlp_pads_to_a_power_of_two():
