@@ -182,9 +182,10 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     compile="all": the prefill too, as one more torch.compile graph (upstream jits its prefill as well), compiled
     once per (batch, prompt length, buffer length, dtype), so it pays where requests repeat a shape (left-pad the
     prompts to one length, as upstream's pad_to does): at the published size on 2 cores the batch-32 prefill of
-    256-token prompts fell from 10.9-14.2 s to 8.0-9.3 s in float32 and from 14.6 to 7.2 s in bf16, batch 1's
-    from 320-400 to 180-245 ms, for 55-90 s more compile (benchmarks/bench_torch_v2.py; the eager ops of the
-    lane routing and mixing fuse). Not the default: a single request would wait longer than it saves.
+    256-token prompts fell from 10.9-14.2 s to 6.2-6.9 s in float32 and from 14.3-14.6 to 5.0-6.5 s in bf16,
+    batch 1's from 320-400 to 120-235 ms, for 55-90 s more compile (benchmarks/bench_torch_v2.py; the eager ops
+    of the lane routing and mixing fuse, and compiled CPU code takes the Kronecker Walsh form and, in bf16,
+    SDPA's attention). Not the default: a single request would wait longer than it saves.
     """
     step_compiled, prefill_compiled = compile_choice(compile)
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, temperature,
