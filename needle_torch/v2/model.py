@@ -230,14 +230,16 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     queries per row (a decode step, any batch) take the explicit path with multiply-and-sum products (float32
     too: the same function as SDPA up to the order of the float32 sums), fused with the mask and softmax, which
     read the K/V cache once in its own dtype instead of upcasting all of it for a library product. Also under
-    torch.compile on CPU, bf16 flash attention over many queries (a compiled prefill) runs through SDPA's fused kernel
-    with the bias FLASH_NEG: float32 logits and softmax, bf16 p·v, but the probabilities are rounded to bf16
-    before their normalisation rather than after (max|Δ|/max|ref| 3.7e-3 from eager, ~one bf16 ulp, within the
-    compiled step's bf16 drift); it took 54-78 against 139-144 ms for the batch-32 prefill of 256 tokens."""
+    torch.compile on a CPU with bf16 units (kernels.bf16_path native), bf16 flash attention over many queries (a
+    compiled prefill) runs through SDPA's fused kernel with the bias FLASH_NEG: float32 logits and softmax, bf16
+    p·v, but the probabilities are rounded to bf16 before their normalisation rather than after (max|Δ|/max|ref|
+    3.7e-3 from eager, ~one bf16 ulp, within the compiled step's bf16 drift); it took 54-78 against 139-144 ms
+    for the batch-32 prefill of 256 tokens."""
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
     reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
-    fused_bf16 = q.dtype == torch.bfloat16 and flash and torch.compiler.is_compiling() and q.device.type == "cpu"
+    fused_bf16 = (q.dtype == torch.bfloat16 and flash and torch.compiler.is_compiling() and q.device.type == "cpu"
+                  and not upcasts(q.dtype, q.device))  # SDPA's bf16 products need bf16 units (kernels.bf16_path)
     if (q.dtype == torch.float32 or fused_bf16) and not reduce:
         low = F32_MIN if q.dtype == torch.float32 else FLASH_NEG  # FLASH_NEG: finite in bf16 (F32_MIN rounds to -inf)
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, low)

@@ -463,6 +463,28 @@ def test_compiled_walsh_and_lane_mix_are_the_eager_functions(monkeypatch):
     assert rel(got, exact) <= 1e-6 and rel(mix_out(hres, hpost, lanes, y, torch.float32), exact) <= 1e-6
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("native", [True, False])
+def test_compiled_bf16_attention_takes_sdpa_only_where_bf16_units_run_it(monkeypatch, native):
+    """A compiled bf16 flash attention over many queries goes through SDPA's fused bf16 kernel only on the native
+    bf16 path; the upcast path (no bf16 units: SDPA's bf16 products would be emulated) keeps the explicit float32
+    products. Either way within 2 bf16 ulps (2^-7 relative to the largest output) of the eager function."""
+    from needle_torch import kernels
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: native)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(
+        *a, **k))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, n, 16, 8, generator=g).bfloat16() for n in (4, 2, 2))
+    mask = make_causal_mask(16) & (torch.arange(16) >= torch.tensor([[0], [3]]))[:, None, None, :] | torch.eye(
+        16, dtype=torch.bool)
+    torch._dynamo.reset()
+    got = torch.compile(dot_product_attention, fullgraph=True, dynamic=False)(q, k, v, mask, True)
+    assert len(calls) == (1 if native else 0)
+    assert rel(got, dot_product_attention(q, k, v, mask, True).float().numpy()) <= 2.0 ** -7
+
+
 def test_hadamard_mlp_pads_to_a_power_of_two():
     """D = 48 pads to P = 64 and slices back, against a float64 numpy definition."""
     cfg = TransformerConfig(vocab_size=512, d_model=48, num_heads=4, num_kv_heads=1, num_layers=2,
