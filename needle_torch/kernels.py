@@ -123,9 +123,15 @@ def reduces_when_compiled(rows: int, device: torch.device) -> bool:
     return device.type == "cpu" and rows <= REDUCE_MAX_ROWS
 
 
+def compiling_for_cpu(device: torch.device) -> bool:
+    """Whether the code being run is traced by torch.compile for `device` on CPU: where the compiled forms of this
+    package apply (reductions, and the Needle 2 Walsh, lane-mix and bf16 attention forms), all measured on CPU."""
+    return torch.compiler.is_compiling() and device.type == "cpu"
+
+
 def as_reduction(rows: int, device: torch.device) -> bool:
     """Whether a product with `rows` rows on `device` is written as a multiply-and-sum here (compiling)."""
-    return torch.compiler.is_compiling() and reduces_when_compiled(rows, device)
+    return compiling_for_cpu(device) and reduces_when_compiled(rows, device)
 
 
 def matmul_nt(a: Tensor, b: Tensor, dtype: torch.dtype, reduce: bool = False) -> Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import as_reduction, matmul_nt
+from needle_torch.kernels import as_reduction, compiling_for_cpu, matmul_nt
 
 RMS_EPS = 1e-6
 SINKHORN_ITERS = 20  # upstream runs exactly 20; no tolerance stop
@@ -100,12 +100,12 @@ def mix_in(hpre: Tensor, lanes: Tensor, dtype: torch.dtype) -> Tensor:
 def mix_out(hres: Tensor, hpost: Tensor, lanes: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
     """X'_i = cast_dtype(Σ_j M_ij · f32(X_j) + hpost_i · f32(y)): the new lanes (B, T, n, D).
 
-    Eagerly a batched (n, n) x (n, D) product per token. Under torch.compile the n terms are written out, so the
+    Eagerly a batched (n, n) x (n, D) product per token. Compiled for CPU the n terms are written out, so the
     mix fuses with its neighbours into one pass over the lanes (the same function up to the order of the float32
     sum): the library's batch of tiny products took 26.9 ms a layer in the batch-32 f32 prefill (0.73 s of
     9.3 s)."""
     xf = lanes.float()
-    if torch.compiler.is_compiling():
+    if compiling_for_cpu(lanes.device):
         mixed = sum(hres[..., :, j, None] * xf[:, :, None, j, :] for j in range(xf.shape[2]))  # (B, T, n, D)
     else:
         mixed = hres @ xf

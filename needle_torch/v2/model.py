@@ -31,6 +31,7 @@ from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, GROUPS
 from needle_torch.kernels import (
     Linear,
     as_reduction,
+    compiling_for_cpu,
     matmul_nt,
     reduces_when_compiled,
     repeated_region,
@@ -163,8 +164,9 @@ def walsh_factors(size: int, dtype: torch.dtype, device=None) -> tuple[Tensor, T
     a = 1 << ((size.bit_length() - 1) // 2)
     dev = torch.device("cpu" if device is None else device)
     A = _cached(f"{a}/factor/{dev}", lambda: torch.sign(walsh_matrix(a, torch.float32, device)))
+    entry = torch.tensor(1 / math.sqrt(size), dtype=torch.float32).to(dtype).float()  # walsh_matrix's cast entry
     B = _cached(f"{size}/cofactor/{dtype}/{dev}", lambda: torch.sign(walsh_matrix(size // a, torch.float32, device))
-                * walsh_matrix(size, dtype, device)[0, 0].float())
+                * entry.to(dev))
     return A, B
 
 
@@ -193,7 +195,7 @@ def walsh_transform(x: Tensor) -> Tensor:
     rows = x.shape[:-1].numel()
     if as_reduction(rows, x.device):  # a compiled decode step: H read once, fused (H = Hᵀ)
         return matmul_nt(x, _cached_walsh(P, x.dtype, x.device), x.dtype, reduce=True)
-    if torch.compiler.is_compiling() and x.device.type == "cpu":
+    if compiling_for_cpu(x.device):
         A, B = walsh_factors(P, x.dtype, x.device)
         X = x.float().reshape(rows, A.shape[0], B.shape[0])  # (rows, a, P/a): x[i·(P/a) + j] = X[i, j]
         return torch.matmul(A, X @ B).reshape(x.shape).to(x.dtype)  # A, B symmetric
@@ -238,8 +240,8 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
     reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
-    fused_bf16 = (q.dtype == torch.bfloat16 and flash and torch.compiler.is_compiling() and q.device.type == "cpu"
-                  and not upcasts(q.dtype, q.device))  # SDPA's bf16 products need bf16 units (kernels.bf16_path)
+    # SDPA's bf16 products need bf16 units (kernels.bf16_path)
+    fused_bf16 = q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device)
     if (q.dtype == torch.float32 or fused_bf16) and not reduce:
         low = F32_MIN if q.dtype == torch.float32 else FLASH_NEG  # FLASH_NEG: finite in bf16 (F32_MIN rounds to -inf)
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, low)

@@ -26,6 +26,7 @@ from convert.safe_pickle import load_file
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import TransformerConfig
 from convert.v2.lora import merge_lora
+from needle_torch import kernels
 from needle_torch.layers import ZCRMSNorm, make_causal_mask
 from needle_torch.v2 import (
     HadamardMLP,
@@ -469,7 +470,6 @@ def test_compiled_bf16_attention_takes_sdpa_only_where_bf16_units_run_it(monkeyp
     """A compiled bf16 flash attention over many queries goes through SDPA's fused bf16 kernel only on the native
     bf16 path; the upcast path (no bf16 units: SDPA's bf16 products would be emulated) keeps the explicit float32
     products. Either way within 2 bf16 ulps (2^-7 relative to the largest output) of the eager function."""
-    from needle_torch import kernels
     monkeypatch.setattr(kernels, "_native_bf16", lambda: native)
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
