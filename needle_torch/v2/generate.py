@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
-from needle_torch.kernels import CompiledStep
+from needle_torch.kernels import CompiledStep, prefill_rows
 from needle_torch.layers import make_causal_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
@@ -51,6 +51,21 @@ def pick(logits: Tensor, done: Tensor, eos: int | Tensor, pad: int | Tensor, noi
 def _prefill(model: nn.Module, prompts: Tensor, cache) -> Tensor:
     """The prefill pass over the left-padded prompts: the float32 logits (B, V) that choose token 0."""
     return model.decode_step(prompts, cache, 0, last_only=True)[:, 0]
+
+
+def prefill_in_chunks(model: nn.Module, prompts: Tensor, cache, compiled: bool = False) -> Tensor:
+    """_prefill over chunks of kernels.prefill_rows prompts, each writing its rows of the cache (the same logits:
+    a prompt's prefill reads only its own row). compiled: each chunk shape's pass as one torch.compile graph."""
+    B, P = prompts.shape
+    rows = prefill_rows(B, P, prompts.device)
+    passes: dict[int, Callable] = {}  # one CompiledStep per chunk shape: its later calls skip the guards
+    out = []
+    for start in range(0, B, rows):
+        n = min(rows, B - start)
+        if n not in passes:
+            passes[n] = CompiledStep(_prefill, STEP_OPTIONS) if compiled else _prefill
+        out.append(passes[n](model, prompts[start:start + n], cache if n == B else cache.rows(start, start + n)))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def compile_choice(compile: bool | str) -> tuple[bool, bool]:
@@ -151,8 +166,9 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     tokens: (B, P) prompts (BOS included), left-padded with pad_token_id as upstream's batched path lays them out;
     validity runs from each row's first non-pad token on (upstream's `valid`: the attention's key_valid and the
     engram's hist_valid). P + max_new_tokens <= config.max_seq_len. Prefill is one pass over the padded prompts
-    with the mask (causal ∧ valid) ∨ diagonal (upstream's flash prefill: pad rows see themselves); each step
-    then attends over the cache. Runs in the model's dtype and on its device (CPU or CUDA; the code is
+    with the mask (causal ∧ valid) ∨ diagonal (upstream's flash prefill: pad rows see themselves), run in chunks
+    of rows of at most kernels.PREFILL_TOKENS tokens on CPU (the same function: for glibc's allocator); each
+    step then attends over the cache. Runs in the model's dtype and on its device (CPU or CUDA; the code is
     device-agnostic, only CPU is tested here); upstream's own decode always runs in float32.
     kv_window: attention sees the last kv_window positions (the query's own included) plus the `sink` positions
     ((B, P) bool over the prompts); as upstream's decode.py the window touches the attention only, never the
@@ -180,12 +196,13 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     logits move by ~1-3e-2 relative from eager (fixture), within upstream's own eager-vs-jit gap, and a greedy row
     can take another token where bf16 does not decide the choice.
     compile="all": the prefill too, as one more torch.compile graph (upstream jits its prefill as well), compiled
-    once per (batch, prompt length, buffer length, dtype), so it pays where requests repeat a shape (left-pad the
-    prompts to one length, as upstream's pad_to does): at the published size on 2 cores the batch-32 prefill of
-    256-token prompts fell from 10.9-14.2 s to 6.2-6.9 s in float32 and from 14.3-14.6 to 5.0-6.5 s in bf16,
-    batch 1's from 320-400 to 120-235 ms, for 55-90 s more compile (benchmarks/bench_torch_v2.py; the eager ops
-    of the lane routing and mixing fuse, and compiled CPU code takes the Kronecker Walsh form and, in bf16,
-    SDPA's attention). Not the default: a single request would wait longer than it saves.
+    once per (prefill chunk rows, prompt length, buffer length, dtype), so it pays where requests repeat a shape
+    (left-pad the prompts to one length, as upstream's pad_to does): at the published size on 2 cores the
+    batch-32 prefill of 256-token prompts took 5.5-5.9 s against 10.0-11.0 s eager in float32 and 4.1-4.5 against
+    7.7-8.1 s in bf16 (kernels.PREFILL_TOKENS), batch 1's 120-235 against 320-400 ms, for 55-90 s more compile
+    (benchmarks/bench_torch_v2.py; the eager ops of the lane routing and mixing fuse, and compiled CPU code takes
+    the Kronecker Walsh form and, in bf16, SDPA's attention). Not the default: a single request would wait longer
+    than it saves.
     """
     step_compiled, prefill_compiled = compile_choice(compile)
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, temperature,
@@ -193,8 +210,7 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     B, P = prompts.shape
     G, device = int(max_new_tokens), model.device
     cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=step_compiled)
-    prefill_fn = CompiledStep(_prefill, STEP_OPTIONS) if prefill_compiled else _prefill
-    prefill = prefill_fn(model, prompts, cache)  # (B, V) float32: chooses token 0
+    prefill = prefill_in_chunks(model, prompts, cache, prefill_compiled)  # (B, V) float32: chooses token 0
     # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
     step = CompiledStep(_step_and_pick, STEP_OPTIONS) if step_compiled else _step_and_pick

@@ -19,7 +19,7 @@ L layers, V vocab, N engram tables, p probes, C = T·(L+1) cells, c contrastive 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -502,6 +502,12 @@ class DecodeCache:
     rope: tuple[Tensor, Tensor]
     offsets: list[tuple[Tensor, Tensor]]
     logits_weight: Tensor | None = None
+
+    def rows(self, start: int, stop: int) -> DecodeCache:
+        """The same state for batch rows start..stop-1: views, so writing through it fills this cache."""
+        return replace(self, k=[t[start:stop] for t in self.k], v=[t[start:stop] for t in self.v],
+                       hist=self.hist[start:stop], valid=self.valid[start:stop],
+                       sink=None if self.sink is None else self.sink[start:stop])
 
 
 # ----------------------------------------------------------------------------- model

@@ -145,6 +145,19 @@ def test_left_padded_batch_reproduces_upstreams_batched_generate(f32, fx):
     assert_generated(tokens, logits, g["f32/batch_tokens"], g["f32/batch_step_logits"], logp, g["f32/batch_logp"])
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_prefill_in_row_chunks_reproduces_upstreams_batched_generate(f32, fx, monkeypatch, rows):
+    """A prefill budget (kernels.PREFILL_TOKENS) of one or two of the batch's prompts: the prefill runs as chunks of
+    rows (2 + 1: a shorter last chunk) that write their rows of one cache, and the request still gives upstream's
+    batched goldens (tokens, every step's logits, log-probs)."""
+    g = fx["g"]
+    prompts = g["batch_prompts"]
+    monkeypatch.setattr(kernels, "PREFILL_TOKENS", rows * prompts.shape[1])
+    assert kernels.prefill_rows(*prompts.shape, f32.device) == rows < prompts.shape[0]
+    tokens, logits, logp = generate(f32, prompts, G, return_logits=True, return_logprobs=True)
+    assert_generated(tokens, logits, g["f32/batch_tokens"], g["f32/batch_step_logits"], logp, g["f32/batch_logp"])
+
+
 @pytest.mark.parametrize("kind", ["dec", "batch"])
 def test_recompute_loop_reproduces_upstreams_run_loop_float32(f32, fx, kind):
     """rec_*: run.py's loop on dec_prompt. The batch (left-padded) has no run.py golden: its cached goldens
@@ -514,6 +527,25 @@ def test_compiling_the_prefill_too_is_the_same_function_and_reuses_its_graph(f32
     assert (other != prompts).sum() == plain.sum()  # every plain id changed; BOS and pads kept
     assert torch.equal(generate(f32, other, 10, compile="all"), generate(f32, other, 10))
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_a_compiled_prefill_in_row_chunks_compiles_each_chunk_shape_once(f32, fx, monkeypatch):
+    """compile="all" with a prefill budget of two prompts: chunks of 2 and 1 rows, one prefill graph for each shape
+    (none again for a second request), upstream's batched tokens, and eager's logits and log-probs within 1e-6."""
+    g = fx["g"]
+    prompts = g["batch_prompts"]
+    monkeypatch.setattr(kernels, "PREFILL_TOKENS", 2 * prompts.shape[1])
+    counters = torch._dynamo.utils.counters
+    generate(f32, prompts, 10, compile=True)  # the step's graph (compiled here, or by another test)
+    before = counters["stats"]["unique_graphs"]
+    tokens, logits, logp = generate(f32, prompts, 10, return_logits=True, return_logprobs=True, compile="all")
+    assert counters["stats"]["unique_graphs"] - before == 2  # the (2, P) and (1, P) prefill chunks
+    np.testing.assert_array_equal(tokens.numpy(), g["f32/batch_tokens"])
+    _, eager_logits, eager_logp = generate(f32, prompts, 10, return_logits=True, return_logprobs=True)
+    assert rel(logits, eager_logits) <= COMPILED_REL and rel(logp, eager_logp) <= COMPILED_REL
+    assert torch.equal(generate(f32, prompts, 10, compile="all"), tokens)
+    assert counters["stats"]["unique_graphs"] - before == 2
 
 
 FRESH_PROCESS_ALL = """
