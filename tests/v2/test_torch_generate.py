@@ -468,6 +468,22 @@ def test_sinks_stay_visible_under_the_window(f32, fx):
                        generate(f32, prompt, 10, kv_window=6, sink=first.numpy().astype(np.int32)))
 
 
+def test_a_prefill_in_row_chunks_keeps_each_rows_window_and_sinks(f32, fx, monkeypatch):
+    """kv_window with a sink at each row's BOS (another position in every left-padded row): prefilled one row at a
+    time, the batch gives the tokens, logits and log-probs of the one-pass prefill (each row's sinks, validity and
+    cache rows travel with it; within F32_REL: the one-row products may sum in another order)."""
+    prompts = fx["g"]["batch_prompts"]
+    sink = prompts == 2  # BOS: position 0, 3 and 6 of the rows
+    assert len(set(np.argmax(sink, axis=1))) == prompts.shape[0]
+    whole = generate(f32, prompts, G, kv_window=4, sink=sink, return_logits=True, return_logprobs=True)
+    monkeypatch.setattr(kernels, "PREFILL_TOKENS", prompts.shape[1])
+    assert kernels.prefill_rows(*prompts.shape, f32.device) == 1
+    chunked = generate(f32, prompts, G, kv_window=4, sink=sink, return_logits=True, return_logprobs=True)
+    assert torch.equal(chunked[0], whole[0])
+    assert rel(chunked[1], whole[1]) <= F32_REL and rel(chunked[2], whole[2]) <= F32_REL
+    assert not torch.equal(whole[0], generate(f32, prompts, G, kv_window=4))  # the sinks decide some tokens
+
+
 # ----------------------------------------------------------------------------- compiled steps
 
 
