@@ -26,7 +26,8 @@ itself. --v1 adds Needle v1's torch cells from benchmarks/bench_generate.py (bf1
 batch-1 decode end to end) on the same grid. Each process prints the CPU features it found and the path that ran.
 
 Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
-       [--modes eager compiled compiled-all] [--no-emulate] [--v1] [--new-tokens 64] [--prompt-len 256]
+       [--modes eager compiled compiled-all] [--bf16-paths native upcast] [--no-emulate] [--v1] [--new-tokens 64]
+       [--prompt-len 256]
 Run on an otherwise idle machine: the load average is printed before and after every process (2 shared cores:
 a busy neighbour makes multi-threaded figures meaningless).
 """
@@ -218,6 +219,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--bf16-paths", nargs="+", default=["native", "upcast"], choices=["native", "upcast"],
+                        help="the bf16 paths to force, one process each (native is emulated, and slow, on a CPU "
+                             "without bf16 units)")
     parser.add_argument("--no-emulate", dest="emulate", action="store_false", help="skip the AVX2-only runs")
     parser.add_argument("--v1", action="store_true", help="also Needle v1's torch encode and compiled decode")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -230,7 +234,7 @@ def main() -> None:
     kinds = [("this CPU", {})] + ([("AVX2-only (emulated)", AVX2_ENV)] if args.emulate else [])
     for kind, env in kinds:
         for dtype in args.dtype:
-            paths = ["native", "upcast"] if dtype == "bfloat16" else [""]  # float32 takes no bf16 path
+            paths = args.bf16_paths if dtype == "bfloat16" else [""]  # float32 takes no bf16 path
             for forced in paths:
                 cells = [f"{dtype},{b},{m}" for b in args.batch for m in args.modes]
                 if args.v1 and dtype == "bfloat16":
