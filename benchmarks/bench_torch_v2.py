@@ -18,12 +18,12 @@ torch eager, torch compiled (compile=True: the decoding steps) and compiled-all 
 Targets (issue): batch 1 >= 10x the loop in float32 (>= 121 tok/s) and >= 50 % of the bound in bf16; batch 32
 >= 5x the rollout; prefill <= 412 ms at batch 1.
 
-Both CPU kinds in one run: every cell set runs in its own process, once on this CPU as it is and once as an
-AVX2-only CPU without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), and each bf16 cell set with
-both bf16 paths forced (NEEDLE_TWIN_BF16=native: library bf16 kernels, emulated where the CPU has no bf16
-units; =upcast: float32 kernels on upcast operands), beside the path needle_torch.kernels.bf16_path() picks by
-itself. --v1 adds Needle v1's torch cells from benchmarks/bench_generate.py (bf16 encode latency, compiled
-batch-1 decode end to end) on the same grid. Each process prints the CPU features it found and the path that ran.
+Both CPU kinds in one run: every cell set runs in its own process, once on this CPU as it is and once as an AVX2-only
+CPU without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), and each bf16 cell set with both bf16
+paths forced (--bf16-paths: a subset; NEEDLE_TWIN_BF16=native: library bf16 kernels, emulated where the CPU has no
+bf16 units; =upcast: float32 kernels on upcast operands), beside the path needle_torch.kernels.bf16_path() picks by
+itself. --v1 adds Needle v1's torch cells from benchmarks/bench_generate.py (bf16 encode latency, compiled batch-1
+decode end to end) on the same grid. Each process prints the CPU features it found and the path that ran.
 
 Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
        [--modes eager compiled compiled-all] [--bf16-paths native upcast] [--no-emulate] [--v1] [--new-tokens 64]

@@ -169,15 +169,17 @@ def repeated_region(fn: Callable) -> Callable:
 
 # ----------------------------------------------------------------------------- prefill in row chunks
 
-# A prefill of many prompts runs as row chunks of at most this many tokens, for the allocator, not the arithmetic
-# (a product of 2048 rows is as efficient as one of 8192): the intermediates of a 32 x 256-token prefill at the
-# published size are 16-67 MB, and glibc mmaps every allocation above its largest threshold (32 MiB) afresh, so
-# its pages fault in on first touch, op after op; in chunks of 2048 tokens they stay at or below 16 MiB and come
-# from the heap. Each prompt's prefill reads only its own row, so the chunks give the same function (the same
-# tokens and, at the published size, the same logits bit for bit). Measured at the published size, 2 cores, 32 x
-# 256-token prompts, requests alternating in one process (chunked vs whole, prefill): eager bf16 7.7-8.1 vs
-# 14.1-15.9 s, eager f32 10.0-11.0 vs 14.2-15.2 s, compiled (compile="all") bf16 4.1-4.5 vs 5.7-6.0 s, f32
-# 5.5-5.9 vs 6.4-6.8 s. In a sweep of chunk sizes (eager bf16) 4096 tokens took 13.1-14.2 s, 1024-2048 7.2-10.2 s.
+# A prefill of many prompts runs as row chunks of at most this many tokens, for the allocator, not the arithmetic (a
+# product of 2048 rows is as efficient as one of 8192): the intermediates of a 32 x 256-token prefill at the published
+# size are 16-67 MB, and glibc mmaps every allocation above its largest threshold (32 MiB) afresh, so its pages fault in
+# on first touch, op after op; in chunks of 2048 tokens they stay at or below 16 MiB and come from the heap. Each
+# prompt's prefill reads only its own row, so the chunks give the same function (the same tokens and, at the published
+# size, the same logits bit for bit). Measured at the published size on a 2-core avx512_bf16 EPYC, 32 x 256-token
+# prompts, requests alternating in one process (chunked vs whole, prefill): eager bf16 7.7-8.1 vs 14.1-15.9 s, eager f32
+# 10.0-11.0 vs 14.2-15.2 s, compiled (compile="all") bf16 4.1-4.5 vs 5.7-6.0 s, f32 5.5-5.9 vs 6.4-6.8 s. In a sweep of
+# chunk sizes (eager bf16) 4096 tokens took 13.1-14.2 s, 1024-2048 7.2-10.2 s. On a 2-core AVX2-only EPYC (eager f32,
+# alternating) chunks of 512, 1024 and 2048 tokens took 14.5-17.3, 14.4-15.6 and 15.1-16.1 s: no size pays there, so the
+# one value serves both kinds.
 PREFILL_TOKENS = 2048
 
 
