@@ -49,12 +49,12 @@ BF16_EMULATED_REL = 3e-2
 
 pytestmark = pytest.mark.filterwarnings("error::needle_torch.kernels.CompileFallbackWarning")
 
-# A compiled graph of the tiny fixture model takes ~100-150 s to build cold on a 2-core AVX2 VM (Python tracing and
+# A compiled graph of the tiny fixture model takes ~100-180 s to build cold on a 2-core AVX2 VM (Python tracing and
 # lowering ~60 s, g++ ~65 s), ~18 s from inductor's on-disk cache, nothing within a process that compiled it. So the
 # compiled tests build as few graphs as their checks need, in two xdist groups of about equal cost (scripts/test.sh:
 # --dist loadgroup), each on one worker, so that a graph several tests share is built once: the float32 batch-3
-# step in STEP_GRAPHS; the bf16 batch-1 graphs and the 6-row step in OTHER_GRAPHS. Measured cold on that VM, this
-# file took 882 s with -n 2 when each worker compiled whatever it met.
+# step in STEP_GRAPHS; the bf16 batch-1 graphs and the 6-row step in OTHER_GRAPHS. Measured cold on that VM with -n 2,
+# this file took 882 s when each worker compiled whatever it met, 482 s so (the groups 431 and 354 s of test time).
 STEP_GRAPHS = pytest.mark.xdist_group("torch-v2-compiled-f32-batch3")
 OTHER_GRAPHS = pytest.mark.xdist_group("torch-v2-compiled-other")
 
