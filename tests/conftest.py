@@ -20,3 +20,18 @@ def _pin_precision():
         return
     with pinned_precision():
         yield
+
+
+
+def pytest_configure(config):
+    """Under --dist loadgroup (scripts/test.sh) each xdist_group must reach one worker: the compiled-generation tests
+    share their torch.compile graphs that way. pytest 9.2 with pytest-xdist <= 3.8 drops the groups without a word
+    (pytest-xdist#1386), so such a run stops here instead of silently doubling its compile time."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    import xdist
+
+    xdist_major_minor = tuple(int(p) for p in xdist.__version__.split(".")[:2])
+    if pytest.version_tuple[:2] >= (9, 2) and xdist_major_minor <= (3, 8):
+        raise pytest.UsageError(f"--dist loadgroup is broken in pytest {pytest.__version__} with pytest-xdist "
+                                f"{xdist.__version__} (pytest-xdist#1386): install scripts/constraints.txt's pytest")

@@ -96,7 +96,11 @@ def bf16(checkpoint):
     return Twins(checkpoint.params, checkpoint.config, "bfloat16")
 
 
-RUNNERS = ["torch-cached", "torch-compiled", "torch-recompute", "flax-cached", "flax-recompute"]
+# The compiled tests of the fixture in float32 run in one xdist group (scripts/test.sh: --dist loadgroup) and ask for
+# the fixture's 11 steps, so they share one step graph, built once in one worker, instead of one graph per length.
+V1_GRAPHS = pytest.mark.xdist_group("torch-v1-compiled")
+COMPILED = pytest.param("torch-compiled", marks=V1_GRAPHS)
+RUNNERS = ["torch-cached", COMPILED, "torch-recompute", "flax-cached", "flax-recompute"]
 
 
 # ----------------------------------------------------------------------------- upstream fixtures
@@ -188,18 +192,19 @@ def test_an_explicit_mask_still_wins(f32, fixture, backend):
     assert differs[padded].all() and not differs[~padded].any()
 
 
-@pytest.mark.parametrize("cached", ["torch-cached", "torch-compiled", "flax-cached"])
+@pytest.mark.parametrize("cached", ["torch-cached", COMPILED, "flax-cached"])
 @pytest.mark.parametrize("model", ["fixture", "tiny-ffn-mqa"])
 def test_cached_logits_equal_recompute_logits_at_every_step_float32(f32, fixture, cached, model):
     twins, src = (f32, fixture["src"]) if model == "fixture" else (_tiny_ffn_twins(), None)
     if src is None:
         src = _random_src(twins.config, [9, 5, 7])
-    kw = dict(max_new_tokens=10, suppress_tokens=SPECIAL, return_logits=True)
+    steps = fixture["f32/greedy_tokens"].shape[1] - 1  # the fixture's length: its compiled graph is shared
+    kw = dict(max_new_tokens=steps, suppress_tokens=SPECIAL, return_logits=True)
     tokens_c, logits_c = twins.run(cached, src, **kw)
     tokens_r, logits_r = twins.run(cached.split("-")[0] + "-recompute", src, **kw)
     np.testing.assert_array_equal(tokens_c, tokens_r)
-    assert logits_c.shape == logits_r.shape == (src.shape[0], 10, twins.config.vocab_size)
-    for k in range(10):
+    assert logits_c.shape == logits_r.shape == (src.shape[0], steps, twins.config.vocab_size)
+    for k in range(steps):
         assert max_rel(logits_c[:, k], logits_r[:, k]) <= F32_REL, f"step {k}"
 
 
@@ -271,12 +276,16 @@ def test_rows_stop_at_eos_independently_and_pad_after(f32, fixture, backend, low
 
 @pytest.mark.parametrize("which", RUNNERS)
 def test_suppressed_tokens_are_never_chosen(f32, fixture, which):
-    free = f32.run(which, fixture["src"], max_new_tokens=6)
-    suppress = sorted(set(free[:, 1:].ravel().tolist()) | {0, 2, 3})
-    tokens = f32.run(which, fixture["src"], max_new_tokens=6, suppress_tokens=suppress)
+    """Every token the greedy loop chose (with the special ids suppressed) suppressed as well: none is chosen again.
+    (The suppressed set is a tensor input, so the compiled runs share the fixture's graph.)"""
+    steps = fixture["f32/greedy_tokens"].shape[1] - 1
+    free = f32.run(which, fixture["src"], max_new_tokens=steps, suppress_tokens=SPECIAL)
+    suppress = sorted(set(free[:, 1:].ravel().tolist()) | set(SPECIAL))
+    assert len(suppress) > len(SPECIAL) + 3  # the loop's own choices are suppressed, not only the special ids
+    tokens = f32.run(which, fixture["src"], max_new_tokens=steps, suppress_tokens=suppress)
     chosen = tokens[:, 1:]
     assert not np.isin(chosen, suppress).any()
-    assert chosen.shape == (3, 6)
+    assert chosen.shape == (3, steps)
 
 
 def test_pick_rule_on_handmade_logits():
@@ -493,6 +502,7 @@ def test_torch_tensor_cache_positions_give_the_same_logits_as_int_positions(f32,
 
 
 @pytest.mark.slow
+@V1_GRAPHS
 def test_torch_compiled_generation_matches_eager_and_compiles_one_graph(f32, fixture):
     from torch._dynamo.utils import counters
 
@@ -512,6 +522,7 @@ def test_torch_compiled_generation_matches_eager_and_compiles_one_graph(f32, fix
 
 
 @pytest.mark.slow
+@V1_GRAPHS
 def test_compiled_generation_past_the_recompile_limit_runs_eagerly_and_warns(f32, fixture, monkeypatch):
     """A process that has compiled too many variants (new lengths, say) still generates: eagerly, same tokens, and
     says so in one warning naming the cause and the fix."""
@@ -529,7 +540,8 @@ def test_compiled_generation_past_the_recompile_limit_runs_eagerly_and_warns(f32
     src = torch.from_numpy(fixture["src"]).long()
     mask = torch_padding_mask(src)
     with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(CompileFallbackWarning) as caught:
-        for steps in (3, 4, 5):  # three cache lengths: three graphs wanted, one allowed
+        # three cache lengths: three graphs wanted, one allowed (11 steps first: the group's shared graph)
+        for steps in (fixture["f32/greedy_tokens"].shape[1] - 1, 4, 5):
             compiled = torch_generate(f32.torch_model, src, mask, steps, suppress_tokens=SPECIAL, compile=True)
             np.testing.assert_array_equal(compiled.numpy(), fixture["f32/greedy_tokens"][:, : 1 + steps])
     assert eager_steps, "the limit was never reached, so the fallback went untested"
