@@ -22,7 +22,6 @@ def _pin_precision():
         yield
 
 
-
 def pytest_configure(config):
     """Under --dist loadgroup (scripts/test.sh) each xdist_group must reach one worker: the compiled-generation tests
     share their torch.compile graphs that way. pytest 9.2 with pytest-xdist <= 3.8 drops the groups without a word

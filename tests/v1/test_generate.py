@@ -96,6 +96,11 @@ def bf16(checkpoint):
     return Twins(checkpoint.params, checkpoint.config, "bfloat16")
 
 
+def greedy_steps(fixture) -> int:
+    """The decode steps of the fixture's greedy goldens (their first column is the start token)."""
+    return fixture["f32/greedy_tokens"].shape[1] - 1
+
+
 # The compiled tests of the fixture in float32 run in one xdist group (scripts/test.sh: --dist loadgroup) and ask for
 # the fixture's 11 steps, so they share one step graph, built once in one worker, instead of one graph per length.
 V1_GRAPHS = pytest.mark.xdist_group("torch-v1-compiled")
@@ -108,7 +113,7 @@ RUNNERS = ["torch-cached", COMPILED, "torch-recompute", "flax-cached", "flax-rec
 
 @pytest.mark.parametrize("which", RUNNERS)
 def test_float32_reproduces_upstream_greedy_tokens_and_step_logits(f32, fixture, which):
-    steps = fixture["f32/greedy_tokens"].shape[1] - 1
+    steps = greedy_steps(fixture)
     tokens, logits = f32.run(which, fixture["src"], max_new_tokens=steps, suppress_tokens=SPECIAL,
                              return_logits=True)
     np.testing.assert_array_equal(tokens, fixture["f32/greedy_tokens"])
@@ -168,7 +173,7 @@ def _random_src(config: TransformerConfig, lengths: list[int], seed: int = 0) ->
 def test_without_a_mask_padded_rows_get_upstreams_tokens(f32, fixture, which):
     """No src_mask means the padding mask of src (as upstream's generate builds it): the right-padded fixture rows
     decode to upstream's greedy tokens, which were computed with that mask."""
-    steps = fixture["f32/greedy_tokens"].shape[1] - 1
+    steps = greedy_steps(fixture)
     tokens = f32.run(which, fixture["src"], masked=False, max_new_tokens=steps, suppress_tokens=SPECIAL)
     np.testing.assert_array_equal(tokens, fixture["f32/greedy_tokens"])
 
@@ -178,7 +183,7 @@ def test_an_explicit_mask_still_wins(f32, fixture, backend):
     """An all-True mask (attend to the pads too) is taken as given: the padded rows then choose other tokens, so
     the default above is a real choice, not a no-op."""
     src = fixture["src"]
-    steps = fixture["f32/greedy_tokens"].shape[1] - 1
+    steps = greedy_steps(fixture)
     everywhere = np.ones((src.shape[0], 1, 1, src.shape[1]), bool)
     if backend == "torch":
         tokens = torch_generate(f32.torch_model, torch.from_numpy(src).long(), torch.from_numpy(everywhere),
@@ -198,7 +203,7 @@ def test_cached_logits_equal_recompute_logits_at_every_step_float32(f32, fixture
     twins, src = (f32, fixture["src"]) if model == "fixture" else (_tiny_ffn_twins(), None)
     if src is None:
         src = _random_src(twins.config, [9, 5, 7])
-    steps = fixture["f32/greedy_tokens"].shape[1] - 1  # the fixture's length: its compiled graph is shared
+    steps = greedy_steps(fixture)  # the fixture's length, so the fixture's compiled graph is shared
     kw = dict(max_new_tokens=steps, suppress_tokens=SPECIAL, return_logits=True)
     tokens_c, logits_c = twins.run(cached, src, **kw)
     tokens_r, logits_r = twins.run(cached.split("-")[0] + "-recompute", src, **kw)
@@ -278,7 +283,7 @@ def test_rows_stop_at_eos_independently_and_pad_after(f32, fixture, backend, low
 def test_suppressed_tokens_are_never_chosen(f32, fixture, which):
     """Every token the greedy loop chose (with the special ids suppressed) suppressed as well: none is chosen again.
     (The suppressed set is a tensor input, so the compiled runs share the fixture's graph.)"""
-    steps = fixture["f32/greedy_tokens"].shape[1] - 1
+    steps = greedy_steps(fixture)
     free = f32.run(which, fixture["src"], max_new_tokens=steps, suppress_tokens=SPECIAL)
     suppress = sorted(set(free[:, 1:].ravel().tolist()) | set(SPECIAL))
     assert len(suppress) > len(SPECIAL) + 3  # the loop's own choices are suppressed, not only the special ids
@@ -541,7 +546,7 @@ def test_compiled_generation_past_the_recompile_limit_runs_eagerly_and_warns(f32
     mask = torch_padding_mask(src)
     with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(CompileFallbackWarning) as caught:
         # three cache lengths: three graphs wanted, one allowed (11 steps first: the group's shared graph)
-        for steps in (fixture["f32/greedy_tokens"].shape[1] - 1, 4, 5):
+        for steps in (greedy_steps(fixture), 4, 5):
             compiled = torch_generate(f32.torch_model, src, mask, steps, suppress_tokens=SPECIAL, compile=True)
             np.testing.assert_array_equal(compiled.numpy(), fixture["f32/greedy_tokens"][:, : 1 + steps])
     assert eager_steps, "the limit was never reached, so the fallback went untested"
