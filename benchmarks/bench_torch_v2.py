@@ -14,7 +14,10 @@ torch eager, torch compiled (compile=True: the decoding steps) and compiled-all 
   x upstream    against upstream's own figures on the 2-core AVX2 machine (issue 14; upstream decodes in float32),
                 like for like: decode tok/s against decode tok/s (decode.py's loop 12.1 tok/s at batch 1, the
                 batched rollout's steps 69 tok/s at batch 32), end to end against end to end (batch 1: 64 tokens
-                after a 412 ms prefill at 12.1 tok/s = 11.4 tok/s; batch 32: the rollout's 47.7 tok/s)
+                after a 412 ms prefill at 12.1 tok/s = 11.4 tok/s; batch 32: the rollout's 47.7 tok/s). Machines
+                differ (a 2-core avx512_bf16 EPYC ran upstream's batch-1 loop at 14.5 tok/s, prefill 267 ms): for
+                ratios measured side by side, run benchmarks/bench_flax_v2.py first and pass its upstream rows with
+                --upstream loop_b1=<decode tok/s> prefill_ms=<prefill ms> (batch 32: steps_b32=, rollout_b32=)
 Targets (issue): batch 1 >= 10x the loop in float32 (>= 121 tok/s) and >= 50 % of the bound in bf16; batch 32
 >= 5x the rollout; prefill <= 412 ms at batch 1.
 
@@ -27,7 +30,7 @@ decode end to end) on the same grid. Each process prints the CPU features it fou
 
 Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
        [--modes eager compiled compiled-all] [--bf16-paths native upcast] [--no-emulate] [--v1] [--new-tokens 64]
-       [--prompt-len 256]
+       [--prompt-len 256] [--upstream loop_b1=14.5 prefill_ms=267 ...]
 Run on an otherwise idle machine: the load average is printed before and after every process (2 shared cores:
 a busy neighbour makes multi-threaded figures meaningless).
 """
@@ -63,6 +66,20 @@ from needle_torch.v2 import SimpleAttentionNetwork  # noqa: E402
 UPSTREAM = {"loop_b1": 12.1, "prefill_ms": 412.0, "steps_b32": 69.0, "rollout_b32": 47.7}
 MODES = {"eager": False, "compiled": True, "compiled-all": "all"}  # generate's compile argument per mode
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def upstream_figures(pairs: list[str]) -> dict[str, float]:
+    """UPSTREAM with the KEY=VALUE pairs given on the command line in place of the issue's figures."""
+    figures = dict(UPSTREAM)
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            if key not in figures:
+                raise ValueError
+            figures[key] = float(value)
+        except ValueError:
+            raise SystemExit(f"--upstream {pair!r}: give KEY=NUMBER with KEY one of {', '.join(UPSTREAM)}") from None
+    return figures
 
 
 def upstream_rates(batch: int, new: int) -> tuple[float, float]:
@@ -224,13 +241,18 @@ def main() -> None:
                              "without bf16 units)")
     parser.add_argument("--no-emulate", dest="emulate", action="store_false", help="skip the AVX2-only runs")
     parser.add_argument("--v1", action="store_true", help="also Needle v1's torch encode and compiled decode")
+    parser.add_argument("--upstream", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="upstream's figures measured on this machine (benchmarks/bench_flax_v2.py) in place of "
+                             f"the issue's: keys {', '.join(UPSTREAM)}")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cells", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
+    UPSTREAM.update(upstream_figures(args.upstream))  # read by upstream_rates in this (the parent) process
+    source = "measured here, given with --upstream" if args.upstream else "the issue's, from a 2-core AVX2 EPYC"
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; upstream's figures: {UPSTREAM}")
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; upstream's figures ({source}): {UPSTREAM}")
     kinds = [("this CPU", {})] + ([("AVX2-only (emulated)", AVX2_ENV)] if args.emulate else [])
     for kind, env in kinds:
         for dtype in args.dtype:
