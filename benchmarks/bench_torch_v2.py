@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -68,22 +69,25 @@ MODES = {"eager": False, "compiled": True, "compiled-all": "all"}  # generate's 
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
-def upstream_figures(pairs: list[str]) -> dict[str, float]:
-    """UPSTREAM with the KEY=VALUE pairs given on the command line in place of the issue's figures."""
-    figures = dict(UPSTREAM)
+def upstream_overrides(pairs: list[str]) -> dict[str, float]:
+    """The KEY=VALUE pairs of --upstream as {key: value}: keys of UPSTREAM, values positive finite numbers."""
+    out = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
         try:
-            if key not in figures:
-                raise ValueError
-            figures[key] = float(value)
+            number = float(value)
         except ValueError:
-            raise SystemExit(f"--upstream {pair!r}: give KEY=NUMBER with KEY one of {', '.join(UPSTREAM)}") from None
-    return figures
+            number = math.nan
+        if key not in UPSTREAM or not (math.isfinite(number) and number > 0):
+            raise SystemExit(f"--upstream {pair!r}: give KEY=NUMBER (a positive number) with KEY one of "
+                             f"{', '.join(UPSTREAM)}")
+        out[key] = number
+    return out
 
 
 def upstream_rates(batch: int, new: int) -> tuple[float, float]:
-    """(decode tok/s, end-to-end tok/s) of upstream at this batch size, from the issue's figures."""
+    """(decode tok/s, end-to-end tok/s) of upstream at this batch size, from UPSTREAM (the issue's figures, or
+    --upstream's)."""
     if batch == 1:
         return UPSTREAM["loop_b1"], new / (UPSTREAM["prefill_ms"] / 1e3 + (new - 1) / UPSTREAM["loop_b1"])
     return UPSTREAM["steps_b32"], UPSTREAM["rollout_b32"]
@@ -249,7 +253,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
-    UPSTREAM.update(upstream_figures(args.upstream))  # read by upstream_rates in this (the parent) process
+    UPSTREAM.update(upstream_overrides(args.upstream))  # read by upstream_rates in this (the parent) process
     source = "measured here, given with --upstream" if args.upstream else "the issue's, from a 2-core AVX2 EPYC"
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; upstream's figures ({source}): {UPSTREAM}")
