@@ -69,6 +69,19 @@ MODES = {"eager": False, "compiled": True, "compiled-all": "all"}  # generate's 
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
+# Process-wide settings that move these figures without changing the code: OpenMP's wait policy (measured on a 2-core
+# Xeon, published size, f32 batch-1 compiled step: PASSIVE 25-26 ms, unset 14-16 ms, ACTIVE 13-15 ms, processes
+# alternating), the allocator (README, "Batched prefill runs in row chunks") and the thread count. The header names
+# those in effect, so that a table says what it ran under; children inherit them.
+RUNTIME_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def runtime_settings(environ) -> str:
+    """The RUNTIME_ENV variables set in `environ` as 'KEY=VALUE ...', or 'none set'."""
+    found = [f"{key}={environ[key]}" for key in RUNTIME_ENV if environ.get(key)]
+    return " ".join(found) if found else "none set"
+
+
 def upstream_overrides(pairs: list[str]) -> dict[str, float]:
     """The KEY=VALUE pairs of --upstream as {key: value}: keys of UPSTREAM, values positive finite numbers."""
     out = {}
@@ -257,6 +270,7 @@ def main() -> None:
     source = "measured here, given with --upstream" if args.upstream else "the issue's, from a 2-core AVX2 EPYC"
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; upstream's figures ({source}): {UPSTREAM}")
+    print(f"runtime settings ({', '.join(RUNTIME_ENV)}): {runtime_settings(os.environ)}")
     kinds = [("this CPU", {})] + ([("AVX2-only (emulated)", AVX2_ENV)] if args.emulate else [])
     for kind, env in kinds:
         for dtype in args.dtype:
