@@ -147,11 +147,12 @@ def model_outputs(fx, dtype: str, flash: bool) -> dict:
     return out
 
 
-def eager_layers(fx, dtype: str) -> dict:
+def eager_layers(fx, dtype: str, isolated: bool = False) -> dict:
     """The per-layer goldens' recipe: MHCLayer applied eagerly, one layer at a time, with layer i's param slice,
-    each layer fed our own previous state. Its inputs (the embedding, broadcast to the lanes, and the engram kv)
-    come from the jitted run: they equal the goldens exactly, eager or not."""
-    key = ("eager", dtype)
+    each layer fed our own previous state (chained) or upstream's (`isolated`: the golden state of layer i - 1, so
+    no drift carries over). Its inputs (the embedding, broadcast to the lanes, and the engram kv) come from the
+    jitted run: they equal the goldens exactly, eager or not."""
+    key = ("eager", dtype, isolated)
     if key in _RUNS:
         return _RUNS[key]
     ckpt, golden, _ = fx
@@ -171,6 +172,8 @@ def eager_layers(fx, dtype: str) -> dict:
     x = jnp.broadcast_to(embed.astype(dt)[:, :, None, :], (*embed.shape[:2], n, embed.shape[-1]))
     out = {f"layer_{k}": [] for k in LAYER_KEYS}
     for i in range(L):
+        if isolated and i > 0:
+            x = jnp.asarray(golden[f"{'f32' if dtype == 'float32' else 'bf16'}/layer_state"][i - 1]).astype(dt)
         hc = {k: stack[f"mhc_{k}"][i] for k in ("phi_pre", "phi_post", "phi_res", "b_pre", "b_post", "b_res",
                                                  "a_pre", "a_post", "a_res")}
         hc |= {"pre_off": jnp.asarray(pre_off[i]), "post_off": jnp.asarray(post_off[i])}
@@ -365,11 +368,19 @@ BF16_PATH = 3e-2
 # quant=True: at a quant rounding edge a flip becomes a whole 8-bit step (1/127 of the row's absmax, two
 # bf16 ulps), so the same spread is up to twice as large: 6e-2. Measured: 4.4e-2.
 BF16_QUANT = 6e-2
-# Per-layer goldens are eager values; our eager MHCLayer chain reproduces them with single isolated flips:
-# a bf16-stored value moves by at most one ulp (2^-8 of the array's max), and the float32 routing weights,
-# smooth functions of the normalised lanes, by less. Budget 2^-8; measured: u, y 0; state 1.7e-5;
-# hpre/hpost/hres <= 3.1e-6.
+# Per-layer goldens are eager values. Our eager MHCLayer fed upstream's own input state (isolated: no drift carried
+# in) reproduces them up to isolated flips: a bf16-stored value moves by at most one ulp (2^-8 of the array's max)
+# in at most 0.1 % of the elements, and the float32 routing weights, smooth functions of the normalised lanes,
+# stay within the float32 budget. Measured on an AMX Xeon: u, y 0; state 1.35e-4 (one element, 0.01 %);
+# hpre/hpost/hres <= 6e-7. (The AVX2 EPYC's chained run, below, was already within these.)
 BF16_EAGER = 2.0**-8
+BF16_EAGER_OFF = 1e-3
+# Chained (each layer fed our own previous state), a flip carries into the next layer and through its MLP and
+# attention, where one ulp of an input can move an output by more than one ulp of its array; the routing, computed
+# from the drifted lanes, inherits the drift too. Fully spread, that is another bf16 rounding path: BF16_PATH.
+# Measured on the AVX2 EPYC: state 1.7e-5, u/y 0, routing <= 3.1e-6 (single flips); on an AMX Xeon (avx512_bf16):
+# state 4.3e-3, y 5.6e-3, u 7.1e-4, routing <= 1.1e-4, the largest at layer 4 (2 flipped state elements at layer 1,
+# 18 at layer 3, 340 of 12288 at layer 4).
 # The scanned model's captured per-layer values against those eager goldens: a jit-vs-eager comparison,
 # i.e. upstream's own eager-vs-scan gap (2.7e-2 on the lane mean), larger on single lanes than on their
 # mean: 6e-2. Measured: state 3.0e-2, y 2.8e-2, hpre 2.9e-2, hpost 2.2e-2, hres 2.0e-2, u 1.6e-2.
@@ -398,10 +409,21 @@ def test_bf16_top1_where_margin_is_wide(fx, name):
 
 
 @pytest.mark.parametrize("name", [f"layer_{k}" for k in LAYER_KEYS])
-def test_bf16_layer_goldens(fx, name):
+def test_bf16_layer_goldens_isolated(fx, name):
+    """Each eager layer from upstream's own input state against upstream's eager values of that layer."""
+    want, got = fx[1][f"bf16/{name}"], eager_layers(fx, "bfloat16", isolated=True)[name]
+    if name in ("layer_hpre", "layer_hpost", "layer_hres"):  # float32 routing
+        assert rel(got, want) <= F32_REL, f"{name}: {rel(got, want):.3g}"
+    else:
+        assert rel(got, want) <= BF16_EAGER, f"{name}: {rel(got, want):.3g}"
+        assert (np.asarray(got, np.float32) != want).mean() <= BF16_EAGER_OFF
+
+
+@pytest.mark.parametrize("name", [f"layer_{k}" for k in LAYER_KEYS])
+def test_bf16_layer_goldens_chained(fx, name):
     want = fx[1][f"bf16/{name}"]
     eager = eager_layers(fx, "bfloat16")[name]
-    assert rel(eager, want) <= BF16_EAGER, f"eager {name}: {rel(eager, want):.3g}"
+    assert rel(eager, want) <= BF16_PATH, f"eager {name}: {rel(eager, want):.3g}"
     scanned = model_outputs(fx, "bfloat16", True)[name]
     assert rel(scanned, want) <= BF16_SCAN_VS_EAGER, f"scanned {name}: {rel(scanned, want):.3g}"
 

@@ -267,7 +267,8 @@ def test_float32_flash_and_nonflash_agree(fx):
 @pytest.mark.parametrize("name", LAYER_TAPS)
 def test_bf16_layers_isolated(fx, bf16_isolated, name):
     """From upstream's own input state: u and y measured bit-identical, state 1.7e-5 (one-ulp flips of the f32
-    lane mix's rounding in 0.011 % of the elements), the f32 routing <= 6e-7. Budget: bf16 blocks within one
+    lane mix's rounding in 0.011 % of the elements), the f32 routing <= 6e-7 (AVX2 EPYC; an AMX Xeon: state 1.35e-4
+    in 0.008 %, routing <= 3.3e-7). Budget: bf16 blocks within one
     bf16 ulp at the largest magnitude and <= 0.1 % of elements off at all (another CPU's GEMM may sum in another
     order); f32 routing within the f32 budget."""
     got, ref = bf16_isolated[name], fx["golden"]["bf16/layer_" + name]
@@ -278,18 +279,30 @@ def test_bf16_layers_isolated(fx, bf16_isolated, name):
         assert (got.float().numpy() != ref).mean() <= 1e-3
 
 
+def bf16_path_rel(fx) -> float:
+    """One whole bf16 rounding path, relative: 1.1 x upstream's own eager-vs-jit gap on hidden_states (0.274) over
+    that array's largest magnitude (10.06): 3.0e-2."""
+    checks, ref = fx["meta"]["checks"], fx["golden"]["bf16/hidden_states"]
+    return 1.1 * checks["bf16_eager_vs_scan_hidden_states"] / float(np.abs(ref).max())
+
+
 @pytest.mark.parametrize("name", LAYER_TAPS)
 def test_bf16_layers_chained(fx, bf16_out, name):
-    """The twin's own chain against upstream's eager chain: measured state 1.7e-5, u and y 0, routing <= 3.7e-6."""
+    """The twin's own chain against upstream's eager chain. A one-ulp flip carries into the next layer and through
+    its attention and MLP, where it can move an output by more than one ulp of its array, and the f32 routing is
+    computed from the drifted lanes; fully spread, that is another bf16 rounding path, so every tap's budget is one
+    (bf16_path_rel). The isolated test above holds each layer to one ulp. Measured on a 2-core AVX2 EPYC: state
+    1.7e-5, u and y 0, routing <= 3.7e-6; on an AMX Xeon (avx512_bf16): state 1.1e-3, u 7.1e-4, y 2.8e-3, routing
+    <= 7.7e-4."""
     ref = fx["golden"]["bf16/layer_" + name]
-    assert rel(bf16_out["layer_" + name], ref) <= (F32_REL if name in ("hpre", "hpost", "hres") else BF16_ULP_REL)
+    assert rel(bf16_out["layer_" + name], ref) <= bf16_path_rel(fx)
 
 
 def test_bf16_hidden_states_are_upstreams_eager_ones(fx, bf16_out):
-    """hidden_states (one bf16 lane mean per layer) against the mean of upstream's eager layer_state: measured
-    bit-identical. Budget one bf16 ulp at the largest magnitude, as for the layers."""
+    """hidden_states (one bf16 lane mean per layer) against the mean of upstream's eager layer_state: chained, so
+    the chained budget (measured bit-identical on the AVX2 EPYC, 1.5e-3 on the AMX Xeon)."""
     eager = fx["golden"]["bf16/layer_state"].astype(BF16).astype(np.float32).mean(3).astype(BF16).astype(np.float32)
-    assert rel(bf16_out["hidden_states"], eager) <= BF16_ULP_REL
+    assert rel(bf16_out["hidden_states"], eager) <= bf16_path_rel(fx)
 
 
 EAGER_VS_JIT = {"hidden_states": "bf16_eager_vs_scan_hidden_states", "final_hidden": "bf16_eager_vs_scan_final_hidden",
