@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from convert.errors import ConfigError
 from convert.v2.config import TransformerConfig
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, GROUPS
+from needle_torch import cpu_attention
 from needle_torch.kernels import (
     Linear,
     as_reduction,
@@ -236,10 +237,16 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     compiled prefill) runs through SDPA's fused kernel with the bias FLASH_NEG: float32 logits and softmax, bf16
     p·v, but the probabilities are rounded to bf16 before their normalisation rather than after (max|Δ|/max|ref|
     3.7e-3 from eager, ~one bf16 ulp, within the compiled step's bf16 drift); it took 54-78 against 139-144 ms
-    for the batch-32 prefill of 256 tokens."""
+    for the batch-32 prefill of 256 tokens. A compiled CPU step over many rows (cpu_attention.applies: at least
+    cpu_attention.MIN_UNITS rows x kv heads, flash) calls the C++ kernel of cpu_attention instead, the same flash
+    arithmetic streaming the cache once per kv head."""
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
     reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
+    if reduce and cpu_attention.applies(q, k, flash):  # many rows: the C++ kernel, the same arithmetic
+        keep = mask.expand(B, 1, 1, S).reshape(B, S)  # (B, S)
+        out = cpu_attention.decode_attention(q.reshape(B, K, H // K, h), k, v, keep, 1 / math.sqrt(h), FLASH_NEG)
+        return out.view(B, H, T, h)  # (B, H, 1, h) in v's dtype
     # SDPA's bf16 products need bf16 units (kernels.bf16_path)
     fused_bf16 = q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device)
     if (q.dtype == torch.float32 or fused_bf16) and not reduce:
@@ -660,6 +667,8 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         weight = None if in_place else self.embedding.weight.float()
         offsets = [lane_offsets(i, cfg.mhc_lanes, self.device) for i in range(cfg.num_layers)]
         prepare_walsh(cfg.hada_dim, self.dtype, self.device)  # before any compiled region reads them
+        if compiled and batch * cfg.num_kv_heads >= cpu_attention.MIN_UNITS:  # steps that will call the kernel
+            cpu_attention.prepare(self.dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, self.device)
         return DecodeCache(k, v, hist, valid, sink, int(kv_window), self._rope(max_len), offsets,
                            weight)
 
