@@ -264,6 +264,11 @@ def test_float32_flash_and_nonflash_agree(fx):
 # eager per-layer goldens; the model-level budgets below follow from that.
 
 
+# Isolated one-ulp flips: at most this fraction of a bf16 tap's elements may differ at all (test_flax_model.py's
+# BF16_EAGER_OFF; measured 0.008-0.011 %).
+BF16_OFF = 1e-3
+
+
 @pytest.mark.parametrize("name", LAYER_TAPS)
 def test_bf16_layers_isolated(fx, bf16_isolated, name):
     """From upstream's own input state: u and y measured bit-identical, state 1.7e-5 (one-ulp flips of the f32
@@ -276,7 +281,7 @@ def test_bf16_layers_isolated(fx, bf16_isolated, name):
         assert rel(got, ref) <= F32_REL
     else:
         assert rel(got, ref) <= BF16_ULP_REL
-        assert (got.float().numpy() != ref).mean() <= 1e-3
+        assert (got.float().numpy() != ref).mean() <= BF16_OFF
 
 
 def bf16_path_rel(fx) -> float:
