@@ -26,14 +26,21 @@ from torch import Tensor
 # Rows x kv heads from which a compiled step calls the kernel instead of fusing the attention into the layer (batch 8
 # at the published size's 4 kv heads; batch 4 measured even).
 MIN_UNITS = 32
+# The head dim must fill whole float vectors (the kernel's static_assert): 16 lanes with AVX-512, 8 with AVX2.
+HEAD_MULTIPLE = 16
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _SCALARS = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
-_built: dict[str, object] = {}  # _key(dtype, group, head) -> the kernel, or None where it did not build
-_ready: dict[str, bool] = {}  # the same keys -> built (plain values: compiled graphs guard on them)
+_built: dict[str, object] = {}  # _key(dtype, group, head) -> the kernel
+_ready: dict[str, bool] = {}  # the same keys -> built (False: it did not); plain values, which compiled graphs guard on
 
 
 def _key(dtype: torch.dtype, group: int, head: int) -> str:
     return f"{dtype}/{group}/{head}"
+
+
+def takes(units: int) -> bool:
+    """Whether a step over `units` rows x kv heads is large enough for the kernel (MIN_UNITS)."""
+    return units >= MIN_UNITS
 
 
 class KernelBuildWarning(RuntimeWarning):
@@ -50,17 +57,19 @@ def _build(dtype: torch.dtype, group: int, head: int):
     return CppPythonBindingsCodeCache.load_pybinding(argtypes, defines + _SOURCE.read_text())
 
 
-def prepare(dtype: torch.dtype, group: int, head: int, device: torch.device) -> None:
-    """Build the kernel a compiled step in `dtype` with these heads may call (before compiling: the build runs
-    eagerly, and a failure leaves the fused form in place with one KernelBuildWarning)."""
+def prepare(dtype: torch.dtype, group: int, head: int, device: torch.device, units: int) -> None:
+    """Build the kernel a compiled step over `units` rows x kv heads in `dtype` with these heads will call, if it
+    takes one (before compiling: the build runs eagerly, and a failure leaves the fused form in place with one
+    KernelBuildWarning)."""
     key = _key(dtype, group, head)
-    if device.type != "cpu" or dtype not in _SCALARS or key in _built or head % 16:
+    if (not takes(units) or device.type != "cpu" or dtype not in _SCALARS or head % HEAD_MULTIPLE
+            or key in _ready):
         return
     try:
         _built[key] = _build(dtype, group, head)
         _ready[key] = True
     except Exception as e:  # no compiler, an inductor internal that moved: the torch form computes the same
-        _built[key], _ready[key] = None, False
+        _ready[key] = False
         warnings.warn(f"needle-twin's CPU decode attention kernel did not build ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}); compiled steps use the fused torch form (same "
                       "function, slower at large batches)", KernelBuildWarning, stacklevel=2)
@@ -71,8 +80,7 @@ def applies(q: Tensor, k: Tensor, flash: bool) -> bool:
     arithmetic, CPU, a built kernel, at least MIN_UNITS rows x kv heads."""
     B, H, T, h = q.shape
     K = k.shape[1]
-    return (flash and T == 1 and q.device.type == "cpu" and B * K >= MIN_UNITS
-            and _ready.get(_key(k.dtype, H // K, h), False))
+    return flash and T == 1 and q.device.type == "cpu" and takes(B * K) and _ready.get(_key(k.dtype, H // K, h), False)
 
 
 @torch.library.custom_op("needle_twin::decode_attention", mutates_args=())

@@ -667,8 +667,9 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         weight = None if in_place else self.embedding.weight.float()
         offsets = [lane_offsets(i, cfg.mhc_lanes, self.device) for i in range(cfg.num_layers)]
         prepare_walsh(cfg.hada_dim, self.dtype, self.device)  # before any compiled region reads them
-        if compiled and batch * cfg.num_kv_heads >= cpu_attention.MIN_UNITS:  # steps that will call the kernel
-            cpu_attention.prepare(self.dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, self.device)
+        if compiled:  # the attention kernel, where these steps will call it
+            cpu_attention.prepare(self.dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, self.device,
+                                  batch * cfg.num_kv_heads)
         return DecodeCache(k, v, hist, valid, sink, int(kv_window), self._rope(max_len), offsets,
                            weight)
 

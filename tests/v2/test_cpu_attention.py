@@ -19,6 +19,7 @@ F32_REL = 1e-6
 # one ulp (2^-8 relative to the largest output; measured 1.7e-3), in few elements (measured 0.5 %; 4x that allowed).
 BF16_ULP_REL = 2.0 ** -8
 BF16_MOVED = 0.02
+CPU = torch.device("cpu")
 
 # (dtype, query heads per kv head, head dim, keys): the fixture's heads, the published size's, a bf16 cache, a
 # wider group; key counts off the 16-lane width exercise the softmax's tail.
@@ -48,7 +49,7 @@ def kernel(q, k, v, keep):
 
 @pytest.mark.parametrize("dtype,group,head,keys", CASES)
 def test_the_kernel_is_the_twins_flash_attention(dtype, group, head, keys):
-    cpu_attention.prepare(dtype, group, head, torch.device("cpu"))
+    cpu_attention.prepare(dtype, group, head, CPU, cpu_attention.MIN_UNITS)
     q, k, v, keep = inputs(dtype, group, head, keys)
     assert q.shape[0] * k.shape[1] >= cpu_attention.MIN_UNITS and cpu_attention.applies(q, k, flash=True)
     assert not cpu_attention.applies(q, k, flash=False)  # the non-flash path rounds its logits: the torch form
@@ -70,7 +71,7 @@ def test_the_kernel_is_the_twins_flash_attention(dtype, group, head, keys):
 
 def test_masked_keys_are_not_read():
     """A key the mask hides contributes nothing, whatever it holds (NaN included): it is skipped, not weighted 0."""
-    cpu_attention.prepare(torch.float32, 2, 16, torch.device("cpu"))
+    cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS)
     q, k, v, keep = inputs(torch.float32, 2, 16, 37)
     keep[2] = True
     out = kernel(q, k, v, keep)
@@ -81,7 +82,7 @@ def test_masked_keys_are_not_read():
 
 
 def test_a_head_dim_off_the_vector_width_keeps_the_torch_form():
-    cpu_attention.prepare(torch.float32, 2, 24, torch.device("cpu"))
+    cpu_attention.prepare(torch.float32, 2, 24, CPU, cpu_attention.MIN_UNITS)
     q = torch.zeros(32, 4, 1, 24)
     k = torch.zeros(32, 2, 8, 24)
     assert not cpu_attention.applies(q, k, flash=True)
@@ -95,9 +96,21 @@ def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkey
     monkeypatch.setattr(cpu_attention, "_built", {})
     monkeypatch.setattr(cpu_attention, "_ready", {})
     with pytest.warns(cpu_attention.KernelBuildWarning, match="no C[+][+] compiler"):
-        cpu_attention.prepare(torch.float32, 2, 16, torch.device("cpu"))
+        cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cpu_attention.prepare(torch.float32, 2, 16, torch.device("cpu"))  # tried once per process, not per request
+        cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS)  # tried once a process
     q, k = torch.zeros(32, 4, 1, 16), torch.zeros(32, 2, 8, 16)
     assert not cpu_attention.applies(q, k, flash=True)
+
+
+def test_a_request_too_small_for_the_kernel_builds_none(monkeypatch):
+    """new_cache prepares the kernel only for steps that will call it: below MIN_UNITS rows x kv heads, no build."""
+    builds = []
+    monkeypatch.setattr(cpu_attention, "_build", lambda *key: builds.append(key))
+    monkeypatch.setattr(cpu_attention, "_built", {})
+    monkeypatch.setattr(cpu_attention, "_ready", {})
+    cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS - 1)
+    assert builds == []
+    cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS)
+    assert builds == [(torch.float32, 2, 16)]

@@ -577,7 +577,7 @@ FRESH_PROCESS_ALL = """
 import numpy as np, torch
 from convert.io import read_checkpoint
 from convert.trees import flatten_tree, unflatten_tree
-from needle_torch import cpu_attention, kernels
+from needle_torch import kernels
 from needle_torch.v2 import SimpleAttentionNetwork
 torch.set_num_threads(1)
 ckpt = read_checkpoint("tests/data/needle-v2-tiny.pkl")
