@@ -48,12 +48,23 @@ def _logsumexp(z: Tensor, dim: int) -> Tensor:
 
 
 def sinkhorn(logits: Tensor, iters: int = SINKHORN_ITERS) -> Tensor:
-    """Log-space Sinkhorn over the last two axes: rows then columns, `iters` times, exp at the end (float32)."""
+    """Log-space Sinkhorn over the last two axes: rows then columns, `iters` times, exp at the end (float32).
+
+    Compiled for CPU the (n, n) axes move to the front, so every step runs over the tokens as its innermost,
+    contiguous axis (a full vector of tokens per op instead of n = 4 lanes of one token). The same steps in the same
+    order, though not bit for bit the old layout's compiled result: 3.0e-7 from eager against 2.4e-7. 2048 tokens'
+    Sinkhorn took 2.0-2.1 against 6.1-6.4 ms alone (published lane count, 2 threads): the batch-32 bf16 compiled prefill
+    3.9 against 4.1-4.2 s (medians, processes alternating); a decode step, where it fuses into the layer's kernel,
+    shows no change."""
     z = logits.float()
+    rows, cols = -1, -2
+    if compiling_for_cpu(z.device):
+        z, rows, cols = z.movedim((-2, -1), (0, 1)), 1, 0  # (n, n, ...): tokens innermost
     for _ in range(iters):
-        z = z - _logsumexp(z, -1)
-        z = z - _logsumexp(z, -2)
-    return z.exp()
+        z = z - _logsumexp(z, rows)
+        z = z - _logsumexp(z, cols)
+    z = z.exp()
+    return z.movedim((0, 1), (-2, -1)) if rows == 1 else z
 
 
 def lane_offsets(layer: int, lanes: int, device=None) -> tuple[Tensor, Tensor]:
