@@ -17,6 +17,7 @@ form costs no call). Hence MIN_UNITS.
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -98,3 +99,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
 @decode_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, masked: float) -> Tensor:
     return torch.empty(q.shape, dtype=v.dtype, device=q.device)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, masked: float) -> Tensor:
+    """q (B, H, 1, h), k and v (B, K, M, h), keep (B, M) bool -> (B, H, 1, h) in v's dtype through the kernel: the
+    flash attention of model.dot_product_attention (scale 1/√h, hidden keys' logits at `masked`) for one query."""
+    B, H, T, h = q.shape
+    K = k.shape[1]
+    return decode_attention(q.reshape(B, K, H // K, h), k, v, keep, 1 / math.sqrt(h), masked).view(B, H, T, h)

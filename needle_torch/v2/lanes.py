@@ -57,14 +57,15 @@ def sinkhorn(logits: Tensor, iters: int = SINKHORN_ITERS) -> Tensor:
     3.9 against 4.1-4.2 s (medians, processes alternating); a decode step, where it fuses into the layer's kernel,
     shows no change."""
     z = logits.float()
-    rows, cols = -1, -2
-    if compiling_for_cpu(z.device):
-        z, rows, cols = z.movedim((-2, -1), (0, 1)), 1, 0  # (n, n, ...): tokens innermost
+    moved = compiling_for_cpu(z.device)
+    if moved:
+        z = z.movedim((-2, -1), (0, 1))  # (n, n, ...): tokens innermost
+    rows, cols = (1, 0) if moved else (-1, -2)
     for _ in range(iters):
         z = z - _logsumexp(z, rows)
         z = z - _logsumexp(z, cols)
     z = z.exp()
-    return z.movedim((0, 1), (-2, -1)) if rows == 1 else z
+    return z.movedim((0, 1), (-2, -1)) if moved else z
 
 
 def lane_offsets(layer: int, lanes: int, device=None) -> tuple[Tensor, Tensor]:

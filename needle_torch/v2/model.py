@@ -244,9 +244,7 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     K, S = k.shape[1], k.shape[2]
     reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
     if reduce and cpu_attention.applies(q, k, flash):  # many rows: the C++ kernel, the same arithmetic
-        keep = mask.expand(B, 1, 1, S).reshape(B, S)  # (B, S)
-        out = cpu_attention.decode_attention(q.reshape(B, K, H // K, h), k, v, keep, 1 / math.sqrt(h), FLASH_NEG)
-        return out.view(B, H, T, h)  # (B, H, 1, h) in v's dtype
+        return cpu_attention.attend(q, k, v, mask.expand(B, 1, 1, S).reshape(B, S), FLASH_NEG)  # (B, H, 1, h)
     # SDPA's bf16 products need bf16 units (kernels.bf16_path)
     fused_bf16 = q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device)
     if (q.dtype == torch.float32 or fused_bf16) and not reduce:
