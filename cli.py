@@ -502,8 +502,9 @@ def generate_command(
         "--max-enc-len", min=2, help="v1: truncate --query/--tools to this many encoder tokens, as upstream does.")
                            ] = None,
     compile: Annotated[bool, typer.Option(
-        "--compile", help="torch: each decoding step as one torch.compile graph (the first call compiles, "
-                          "5-30 s on 2 cores, cached on disk after).")] = False,
+        "--compile", help="torch: the fast decoding step: on CPU, Needle 2 at up to 16 rows, C++ kernels (built "
+                          "once, ~25-35 s cold, cached on disk); otherwise one torch.compile graph (the first call "
+                          "compiles, 5-30 s on 2 cores, cached on disk after).")] = False,
 ) -> None:
     """Decode with the cached decoder, printing tokens as they come (text too with --tokenizer; Needle 2 also
     prints the tool call it finds)."""

@@ -2,7 +2,10 @@
 
 At the published `base` size (random weights, convert.mapping.random_flax_params(config, seed=0)), a
 256-token prompt and 64 new tokens (EOS never stops a row), for batch 1 and 32, float32 and bfloat16,
-torch eager, torch compiled (compile=True: the decoding steps) and compiled-all (compile="all": the prefill too):
+torch eager, torch compiled (compile=True: the decoding steps; on CPU at <= cpu_decode.MAX_ROWS rows through the
+C++ kernels of needle_torch/cpu_decode.py), compiled-all (compile="all": the prefill too) and, on request, traced
+(compile=True with those kernels switched off: the torch.compile step, for a side-by-side ratio). Each cell names
+the step that ran (kernels, torch.compile or eager):
   tokens/s      new tokens / decode time (the 63 steps after the first token), best of --repeats
   e2e tok/s     every new token / the whole request (prefill included), best of --repeats
   prefill ms    time to the first token: argument checks, cache allocation and the prefill pass
@@ -29,7 +32,7 @@ itself. --v1 adds Needle v1's torch cells from benchmarks/bench_generate.py (bf1
 decode end to end) on the same grid. Each process prints the CPU features it found and the path that ran.
 
 Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
-       [--modes eager compiled compiled-all] [--bf16-paths native upcast] [--no-emulate] [--v1] [--new-tokens 64]
+       [--modes eager compiled compiled-all traced] [--bf16-paths native upcast] [--no-emulate] [--v1] [--new-tokens 64]
        [--prompt-len 256] [--upstream loop_b1=14.5 prefill_ms=267 ...]
 Run on an otherwise idle machine: the load average is printed before and after every process (2 shared cores:
 a busy neighbour makes multi-threaded figures meaningless).
@@ -57,6 +60,7 @@ from convert.mapping import random_flax_params  # noqa: E402
 from convert.v1.config import NEEDLE_V1_PUBLISHED, SPECIAL_IDS  # noqa: E402
 from convert.v2 import NEEDLE_V2_PUBLISHED  # noqa: E402
 from convert.v2.config import BOS_ID, FIRST_PLAIN_ID  # noqa: E402
+from needle_torch import cpu_decode  # noqa: E402
 from needle_torch.kernels import BF16_PATH_ENV, bf16_path, cpu_flags, decide_bf16_path  # noqa: E402
 from needle_torch.v1.generate import generate as generate_v1  # noqa: E402
 from needle_torch.v1.model import SimpleAttentionNetwork as ModelV1  # noqa: E402
@@ -65,7 +69,8 @@ from needle_torch.v2 import SimpleAttentionNetwork  # noqa: E402
 # Issue 14's figures for upstream: decode tok/s of the batch-1 loop, its prefill ms, the batch-32 rollout's steps-only
 # and end-to-end tok/s.
 UPSTREAM = {"loop_b1": 12.1, "prefill_ms": 412.0, "steps_b32": 69.0, "rollout_b32": 47.7}
-MODES = {"eager": False, "compiled": True, "compiled-all": "all"}  # generate's compile argument per mode
+MODES = {"eager": False, "compiled": True, "compiled-all": "all", "traced": True}  # generate's compile argument
+DEFAULT_MODES = ["eager", "compiled", "compiled-all"]
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
@@ -158,7 +163,8 @@ def run_v2(dtype: str, batch: int, compile: bool | str, args) -> dict:
     warm = min(p + d for p, d in runs)
     prefill, decode = min(p for p, _ in runs), min(d for _, d in runs)
     item = torch.finfo(model.dtype).bits // 8
-    return {"tok_s": batch * (G - 1) / decode, "e2e_tok_s": batch * G / warm, "prefill_ms": 1e3 * prefill,
+    step = "eager" if compile is False else "kernels" if cpu_decode.applies(model, batch) else "torch.compile"
+    return {"step": step, "tok_s": batch * (G - 1) / decode, "e2e_tok_s": batch * G / warm, "prefill_ms": 1e3 * prefill,
             "compile_s": first - warm if compile is not False else None,
             "bytes": step_bytes(cfg, batch, args.prompt_len, G, item)}
 
@@ -185,6 +191,7 @@ def run_v1(args) -> dict:
 
 def child(args) -> None:
     torch.set_num_threads(args.threads)
+    max_rows = cpu_decode.MAX_ROWS if args.max_rows is None else args.max_rows
     path = bf16_path()
     auto = decide_bf16_path({k: v for k, v in os.environ.items() if k != BF16_PATH_ENV}, cpu_flags(),
                             torch.backends.cpu.get_cpu_capability())
@@ -196,6 +203,7 @@ def child(args) -> None:
             out["cells"][spec] = run_v1(args)
             continue
         dtype, batch, mode = spec.split(",")
+        cpu_decode.MAX_ROWS = 0 if mode == "traced" else max_rows
         out["cells"][spec] = run_v2(dtype, int(batch), MODES[mode], args)
     out["load_after"] = os.getloadavg()
     print("RESULT " + json.dumps(out), flush=True)
@@ -207,6 +215,7 @@ def child(args) -> None:
 def spawn(cells: list[str], env: dict, args) -> dict:
     cmd = [sys.executable, __file__, "--child", "--cells", ";".join(cells), "--threads", str(args.threads),
            "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)]
+    cmd += [] if args.max_rows is None else ["--max-rows", str(args.max_rows)]
     # A fresh inductor cache per process: compile times are cold ones, and a graph compiled for this CPU's
     # AVX-512 is never reused by an AVX2-only run (torch's cache key leaves ATEN_CPU_CAPABILITY out: the reused
     # code runs 16-lane loops over 8-lane vectors and fails its index checks).
@@ -228,7 +237,7 @@ def report(kind: str, res: dict, new: int) -> list[str]:
              f"  CPU features {' '.join(res['features'])}; ATen {res['capability']}; copy bandwidth "
              f"{bw / 1e9:.1f} GB/s; load {res['load_before'][0]:.2f} -> {res['load_after'][0]:.2f}",
              f"  {'cell':<26}{'tok/s':>8}{'e2e tok/s':>11}{'prefill ms':>12}{'compile s':>11}{'of bound':>10}"
-             f"{'x upstream decode':>19}{'x e2e':>8}"]
+             f"{'x upstream decode':>19}{'x e2e':>8}  step"]
     for spec, c in res["cells"].items():
         if spec == "v1":
             lines.append(f"  v1 bf16 encode {c['encode_ms']:.1f} ms; compiled batch-1 decode {c['decode_tok_s']:.1f} "
@@ -240,7 +249,7 @@ def report(kind: str, res: dict, new: int) -> list[str]:
         comp = "-" if c["compile_s"] is None else f"{c['compile_s']:.1f}"
         lines.append(f"  {dtype + ' b' + batch + ' ' + mode:<26}{c['tok_s']:>8.1f}{c['e2e_tok_s']:>11.1f}"
                      f"{c['prefill_ms']:>12.0f}{comp:>11}{c['tok_s'] / bound:>10.0%}{c['tok_s'] / decode_ref:>18.1f}x"
-                     f"{c['e2e_tok_s'] / e2e_ref:>7.1f}x")
+                     f"{c['e2e_tok_s'] / e2e_ref:>7.1f}x  {c['step']}")
     return lines
 
 
@@ -252,10 +261,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     parser.add_argument("--bf16-paths", nargs="+", default=["native", "upcast"], choices=["native", "upcast"],
                         help="the bf16 paths to force, one process each (native is emulated, and slow, on a CPU "
                              "without bf16 units)")
+    parser.add_argument("--max-rows", type=int, default=None,
+                        help="rows up to which compiled steps take the C++ kernels (default cpu_decode.MAX_ROWS): "
+                             "for measuring where they stop paying")
     parser.add_argument("--no-emulate", dest="emulate", action="store_false", help="skip the AVX2-only runs")
     parser.add_argument("--v1", action="store_true", help="also Needle v1's torch encode and compiled decode")
     parser.add_argument("--upstream", nargs="+", default=[], metavar="KEY=VALUE",

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
+from needle_torch import cpu_decode
 from needle_torch.kernels import CompiledStep, prefill_rows
 from needle_torch.layers import make_causal_mask
 
@@ -185,19 +186,26 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     fewer when every row stopped early); return_logprobs: the chosen tokens' log_softmax of the *unscaled*
     logits (B, steps), 0 after a row's EOS. The result is (tokens, logits, logprobs) with the requested ones.
     streamer: called with each step's (B,) tokens on the CPU, in order.
-    compile: every step and its choice as one torch.compile graph (a 0-d position tensor and a static cache, so
-    one graph serves every step; the prefill stays eager). The lane layer is a nested compile region
-    (model.decode_layer) traced once for all layers, so compiling takes ~30-60 s at the published size on 2
-    cores, not minutes. On CPU the attention over the cache, and at <= kernels.REDUCE_MAX_ROWS rows every product,
-    are fused multiply-and-sums that read weights and cache in their own dtype (STEP_OPTIONS); from
-    cpu_attention.MIN_UNITS rows x kv heads on (batch 8 at the published size), the attention is a C++ kernel of
-    the same arithmetic instead (cpu_attention: batch 32 float32 steps 18 % faster). Compiles once per (batch,
-    buffer length, dtype, greedy or sampled); later requests reuse the graph, guards checked on their first step
-    only (kernels.CompiledStep: not for concurrent threads). float32 logits stay within 1e-6 of eager (6.5e-7 on
-    the fixture; with the kernel, whose rounding is not SDPA's though as close to a float64 attention, 1.2e-6, and
-    upstream's within 1e-5); in bfloat16 the compiled step keeps some intermediates in float32, as XLA's jit does, so
-    logits move by ~1-3e-2 relative from eager (fixture), within upstream's own eager-vs-jit gap, and a greedy row
-    can take another token where bf16 does not decide the choice.
+    compile: the fast step. On CPU at <= cpu_decode.MAX_ROWS (16) rows (float32 or bf16, the twin's own plain
+    modules: no hooks, no LoRA wrappers) every step runs through the C++ kernels of cpu_decode instead of a graph:
+    the engram sites, one call per lane layer, the logits; eager's roundings, float32 sums in another order (f32
+    logits within 1e-6 of eager on the fixture, bf16 layers bit for bit on the test models). At the published size
+    on a 2-core AMX Xeon, batch 1, the kernels' steps against the torch.compile step side by side: float32 69.9
+    against 43.6 tok/s, bf16 115.2 against 53.0 (65 % of the memory bound measured in the same process), with no
+    graph to compile (the kernels build once, ~25-35 s cold, then come from inductor's disk cache). Elsewhere (more
+    rows, CUDA, another dtype or a width the kernels do not take): every step and its choice as one torch.compile
+    graph (a 0-d position tensor and a static cache, so one graph serves every step; the prefill stays eager). The
+    lane layer is a nested compile region (model.decode_layer) traced once for all layers, so compiling takes ~30-60
+    s at the published size on 2 cores, not minutes. On CPU the attention over the cache, and at <=
+    kernels.REDUCE_MAX_ROWS rows every product, are fused multiply-and-sums that read weights and cache in their own
+    dtype (STEP_OPTIONS); from cpu_attention.MIN_UNITS rows x kv heads on (batch 8 at the published size), the
+    attention is a C++ kernel of the same arithmetic instead (cpu_attention: batch 32 float32 steps 18 % faster).
+    Compiles once per (batch, buffer length, dtype, greedy or sampled); later requests reuse the graph, guards
+    checked on their first step only (kernels.CompiledStep: not for concurrent threads). float32 logits stay within
+    1e-6 of eager (6.5e-7 on the fixture; with the kernel, whose rounding is not SDPA's though as close to a float64
+    attention, 1.2e-6, and upstream's within 1e-5); in bfloat16 the compiled step keeps some intermediates in
+    float32, as XLA's jit does, so logits move by ~1-3e-2 relative from eager (fixture), within upstream's own
+    eager-vs-jit gap, and a greedy row can take another token where bf16 does not decide the choice.
     compile="all": the prefill too, as one more torch.compile graph (upstream jits its prefill as well), compiled
     once per (prefill chunk rows, prompt length, buffer length, dtype), so it pays where requests repeat a shape
     (left-pad the prompts to one length, as upstream's pad_to does): at the published size on 2 cores the
@@ -212,12 +220,14 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
                                                   seed, eos_token_id, pad_token_id)
     B, P = prompts.shape
     G, device = int(max_new_tokens), model.device
-    cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=step_compiled)
+    fused = step_compiled and cpu_decode.applies(model, B)  # the C++ layer kernel instead of torch.compile
+    traced = step_compiled and not fused
+    cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=traced, fused=fused)
     prefill = prefill_in_chunks(model, prompts, cache, prefill_compiled)  # (B, V) float32: chooses token 0
     # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
-    step = CompiledStep(_step_and_pick, STEP_OPTIONS) if step_compiled else _step_and_pick
-    positions = torch.arange(P, P + G, device=device) if step_compiled else range(P, P + G)
+    step = CompiledStep(_step_and_pick, STEP_OPTIONS) if traced else _step_and_pick
+    positions = torch.arange(P, P + G, device=device) if traced else range(P, P + G)
 
     def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):
         if t == 0:

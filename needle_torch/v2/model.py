@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from convert.errors import ConfigError
 from convert.v2.config import TransformerConfig
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, GROUPS
-from needle_torch import cpu_attention
+from needle_torch import cpu_attention, cpu_decode
 from needle_torch.kernels import (
     Linear,
     as_reduction,
@@ -496,7 +496,8 @@ class DecodeCache:
     [pos - W, pos + S) is one slice at every position. sink (B, M) bool or None and window (kv_window, 0 = off)
     shape the attention mask only. rope: cos, sin (M, h/2), and offsets: every layer's lane_offsets, computed
     once. logits_weight: the tied embedding upcast to float32 once per request (None: read in place, under
-    compile or for a float32 model)."""
+    compile or for a float32 model). fused: the C++ decode-layer kernel's state (cpu_decode.fuse) when single
+    steps run through it (None: they do not)."""
 
     k: list[Tensor]
     v: list[Tensor]
@@ -507,12 +508,14 @@ class DecodeCache:
     rope: tuple[Tensor, Tensor]
     offsets: list[tuple[Tensor, Tensor]]
     logits_weight: Tensor | None = None
+    fused: cpu_decode.Fused | None = None
 
     def rows(self, start: int, stop: int) -> DecodeCache:
-        """The same state for batch rows start..stop-1: views, so writing through it fills this cache."""
+        """The same state for batch rows start..stop-1: views, so writing through it fills this cache (without the
+        kernel state, whose tables point at the whole batch's buffers; only prefills take rows)."""
         return replace(self, k=[t[start:stop] for t in self.k], v=[t[start:stop] for t in self.v],
                        hist=self.hist[start:stop], valid=self.valid[start:stop],
-                       sink=None if self.sink is None else self.sink[start:stop])
+                       sink=None if self.sink is None else self.sink[start:stop], fused=None)
 
 
 # ----------------------------------------------------------------------------- model
@@ -646,12 +649,14 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
     # ------------------------------------------------------------------ cached decoding (upstream's decode.py)
 
     def new_cache(self, batch: int, max_len: int, valid: Tensor | None = None, sink: Tensor | None = None,
-                  kv_window: int = 0, compiled: bool = False) -> DecodeCache:
+                  kv_window: int = 0, compiled: bool = False, fused: bool = False) -> DecodeCache:
         """An empty DecodeCache for `batch` rows and max_len buffer positions.
 
         valid: (B, max_len) bool, upstream's `valid` (False on left pads; None: all True); sink: (B, max_len) bool
         or None (positions that stay visible under kv_window); compiled: the steps run under torch.compile, where
-        products of few rows read the embedding in place (kernels.reduces_when_compiled), so no float32 copy."""
+        products of few rows read the embedding in place (kernels.reduces_when_compiled), so no float32 copy;
+        fused: single steps run their lane layers through the C++ kernel (cpu_decode; check cpu_decode.applies
+        first)."""
         cfg, W = self.config, self.config.engram_history
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
@@ -661,15 +666,15 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
             valid = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
         valid = F.pad(valid.to(self.device, torch.bool), (W, 0))  # (B, W + M): False before the start
         sink = None if sink is None else sink.to(self.device, torch.bool)
-        in_place = self.dtype == torch.float32 or (compiled and reduces_when_compiled(batch, self.device))
+        in_place = self.dtype == torch.float32 or (compiled and not fused and reduces_when_compiled(batch, self.device))
         weight = None if in_place else self.embedding.weight.float()
         offsets = [lane_offsets(i, cfg.mhc_lanes, self.device) for i in range(cfg.num_layers)]
         prepare_walsh(cfg.hada_dim, self.dtype, self.device)  # before any compiled region reads them
-        if compiled:  # the attention kernel, where these steps will call it
+        if compiled and not fused:  # the attention kernel, where these steps will call it
             cpu_attention.prepare(self.dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, self.device,
                                   batch * cfg.num_kv_heads)
-        return DecodeCache(k, v, hist, valid, sink, int(kv_window), self._rope(max_len), offsets,
-                           weight)
+        state = cpu_decode.fuse(self, k, v, offsets, FLASH_NEG) if fused else None
+        return DecodeCache(k, v, hist, valid, sink, int(kv_window), self._rope(max_len), offsets, weight, state)
 
     def decode_step(self, tokens: Tensor, cache: DecodeCache, pos: int | Tensor, last_only: bool = False) -> Tensor:
         """Feed tokens (B, S) at buffer positions pos..pos+S-1: float32 logits (B, S, V) (B, 1, V with last_only).
@@ -677,7 +682,8 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         Writes the tokens into the history and their K/V into the cache. pos 0 with the prompt is upstream's
         prefill; S = 1 a step. An int pos attends over the filled prefix; a 0-d int64 tensor keeps every shape
         fixed (the whole buffer, later positions masked), so one compiled graph serves every step. RoPE reads the
-        absolute buffer position (left padding shifts it, as upstream's). Runs in the model's dtype, no quant."""
+        absolute buffer position (left padding shifts it, as upstream's). Runs in the model's dtype, no quant.
+        A cache with the kernel state (cache.fused) runs a single step at an int pos through the C++ kernel."""
         B, S = tokens.shape
         W = self.config.engram_history
         cos, sin = cache.rope
@@ -696,6 +702,11 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
             key_valid = cache.valid[:, W:W + pos + S]  # (B, pos + S): the filled prefix
             sink = None if cache.sink is None else cache.sink[:, :pos + S]
         mask = make_decode_mask(positions, key_valid, cache.window, sink)  # (B, 1, S, M or pos + S)
+        if cache.fused is not None and S == 1 and not isinstance(pos, Tensor):  # the C++ step (cpu_decode)
+            ek_unit, ev = cpu_decode.engram(cache.fused, hist, hist_valid) if len(self.engrams) else (None, None)
+            lanes = cpu_decode.run_layers(cache.fused, self._embed(tokens).to(self.dtype), self.config.mhc_lanes, mask,
+                                          *rope, pos, self.stack.sites, ek_unit, ev)
+            return cpu_decode.logits(cache.fused, lanes)
         ek, ev = self._decode_engram(hist, hist_valid, S)
         x, _ = self.stack(self._embed(tokens), mask, rope, False, ek, ev, kv=(cache.k, cache.v, pos, cache.offsets))
         return self._decode_logits(x[:, -1:] if last_only else x, cache.logits_weight)

@@ -24,7 +24,7 @@ from convert.mapping import random_flax_params
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import FIRST_PLAIN_ID, TransformerConfig
 from convert.v2.generation import prompt_validity
-from needle_torch import cpu_attention, kernels
+from needle_torch import cpu_attention, cpu_decode, kernels
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2 import SimpleAttentionNetwork, engram_masks
 from needle_torch.v2.engram import engram_history_masks
@@ -177,12 +177,13 @@ def test_recompute_loop_reproduces_upstreams_run_loop_float32(f32, fx, kind):
     assert_generated(tokens, logits, ref_tokens, ref_logits)
 
 
-@pytest.mark.parametrize("which", ["recompute", "cached",
-                                   pytest.param("compiled", marks=[pytest.mark.slow, OTHER_GRAPHS]),
+@pytest.mark.parametrize("which", ["recompute", "cached", "compiled",
+                                   pytest.param("traced", marks=[pytest.mark.slow, OTHER_GRAPHS]),
                                    pytest.param("compiled-all", marks=[pytest.mark.slow, OTHER_GRAPHS])])
-def test_bfloat16_reproduces_upstreams_run_loop_where_bf16_decides(bf16, fx, which):
+def test_bfloat16_reproduces_upstreams_run_loop_where_bf16_decides(bf16, fx, which, monkeypatch):
     """bf16 rec_*: the tokens must be upstream's while every step so far was decided beyond bf16 error (top-2
-    gap > twice the logits budget), and the logits within budget while the tokens agree. Compiled steps keep some
+    gap > twice the logits budget), and the logits within budget while the tokens agree. compile=True at this one
+    row runs the C++ kernels of cpu_decode (eager's roundings); traced, the torch.compile step, which keeps some
     intermediates in float32 (as XLA's jit does): another bf16 rounding path, held to the same budget; so does
     the compiled prefill (compiled-all: SDPA's fused bf16 attention, the Kronecker Walsh form, the lane mix)."""
     g = fx["g"]
@@ -192,7 +193,9 @@ def test_bfloat16_reproduces_upstreams_run_loop_where_bf16_decides(bf16, fx, whi
     decided = np.cumprod((top2[:, 1] - top2[:, 0]) > 2 * budget).astype(bool)  # (G,) prefix of decided steps
     assert decided.sum() >= 3, "the check would be nearly vacuous"
     run = generate_recompute if which == "recompute" else generate
-    kw = {"compiled": {"compile": True}, "compiled-all": {"compile": "all"}}.get(which, {})
+    kw = {"compiled": {"compile": True}, "traced": {"compile": True}, "compiled-all": {"compile": "all"}}.get(which, {})
+    if which == "traced":
+        monkeypatch.setattr(cpu_decode, "MAX_ROWS", 0)
     tokens, logits = run(bf16, g["dec_prompt"], 10, return_logits=True, **kw)
     assert torch.isfinite(logits).all()
     np.testing.assert_array_equal(tokens.numpy()[0, decided], ref_tokens[0, decided])
@@ -498,9 +501,16 @@ def test_a_prefill_in_row_chunks_keeps_each_rows_window_and_sinks(f32, fx, monke
 # ----------------------------------------------------------------------------- compiled steps
 
 
+@pytest.fixture
+def traced(monkeypatch):
+    """compile=True through torch.compile even at few rows, where a CPU step would take the C++ kernels of
+    cpu_decode (tests/v2/test_cpu_decode.py tests those)."""
+    monkeypatch.setattr(cpu_decode, "MAX_ROWS", 0)
+
+
 @pytest.mark.slow
 @STEP_GRAPHS
-def test_compiled_generation_matches_eager_and_compiles_one_graph(f32, fx):
+def test_compiled_generation_matches_eager_and_compiles_one_graph(f32, fx, traced):
     """compile=True: the same tokens, logits and log-probs within 1e-6 (float32), one graph for every step, and
     a second request with other EOS ids reuses it (the ids are tensor inputs)."""
     g = fx["g"]
@@ -522,7 +532,7 @@ def test_compiled_generation_matches_eager_and_compiles_one_graph(f32, fx):
 
 @pytest.mark.slow
 @STEP_GRAPHS  # a graph of its own, here for balance: by measured durations the groups hold ~340 and ~260 s, not 200/400
-def test_compiled_steps_of_more_rows_than_reductions_take_give_upstreams_tokens(f32, fx, monkeypatch):
+def test_compiled_steps_of_more_rows_than_reductions_take_give_upstreams_tokens(f32, fx, monkeypatch, traced):
     """A batch of 6 rows (> kernels.REDUCE_MAX_ROWS): the compiled step's products are library ones, its Walsh
     products the Kronecker form, and (its 12 rows x kv heads let in here) its attention the C++ kernel of
     cpu_attention, called once a layer a step. Upstream's batch goldens (the batch twice over): tokens, step logits
@@ -545,7 +555,7 @@ def test_compiled_steps_of_more_rows_than_reductions_take_give_upstreams_tokens(
 @pytest.mark.slow
 @STEP_GRAPHS
 def test_a_compiled_prefill_in_row_chunks_is_the_same_function_and_compiles_its_chunk_shape_once(f32, fx,
-                                                                                                monkeypatch):
+                                                                                                monkeypatch, traced):
     """compile="all": the prefill is compiled as well, here with a budget of one prompt, so three chunks of one row
     and one prefill graph that serves them all. Upstream's batched tokens; eager's logits and log-probs within 1e-6
     (float32, every step: step 0 is the prefill's own choice); exactly one graph more than compile=True, and none
@@ -585,6 +595,8 @@ params = unflatten_tree({k: np.asarray(v, np.float32) for k, v in flatten_tree(c
 model = SimpleAttentionNetwork.from_flax(params, ckpt.config)  # float32, as the f32 fixture above
 prompts = np.load("tests/data/needle-v2-tiny.npz")["batch_prompts"]
 kernels.PREFILL_TOKENS = prompts.shape[1]  # one-row chunks: the chunked test's graph
+from needle_torch import cpu_decode
+cpu_decode.MAX_ROWS = 0  # the chunked test's torch.compile step (its `traced` fixture)
 from parity_tests.devices import pinned_precision  # the test session's settings: part of inductor's cache key
 with pinned_precision():
     tokens = model.generate(prompts, 10, compile="all")  # the chunked test's cache length: its two graphs

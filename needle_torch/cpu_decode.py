@@ -1,0 +1,230 @@
+"""Torch-only speed code: a Needle 2 cached-decoding step as C++ kernels, for few rows on CPU.
+
+csrc/decode_step.cpp holds three kernels, each one OpenMP parallel region: both engram sites' key and value for the
+newest token (Engram.forward with last=1), one lane layer (MHCLayer's forward: the lane routing with its
+Sinkhorn, the block's engram injection, gated q/k-normed attention over the K/V cache and Hadamard MLP, the lane
+mix) and the step's end (lane mean, final_norm, tied logits). They keep the eager twin's order of operations and
+its roundings to the compute dtype, and differ from it only in the order of float32 sums (dot products, the Walsh
+transform as butterflies instead of a dense product): float32 layers within 8.4e-7 of eager, bf16 layers bit for
+bit in nearly every element. Built through inductor's C++ toolchain and cache once per (kernel, dtype, model
+shape); a step calls them with tables of parameter pointers, 2 + L calls, no graph.
+
+Why: at batch 1 the compiled torch step spent its time between kernels, not in them: the inductor wrapper's
+Python calls and a dozen parallel regions a layer with serial code between them (AOTInductor without the wrapper
+still took 16.3 ms for the 27 layers in float32). benchmarks/bench_torch_v2.py at the published size, 2 threads of
+a 2-core AMX Xeon, the kernels' steps against the torch.compile step (`--modes compiled traced`, one process per
+dtype, decode tok/s): batch 1 float32 69.9 against 43.6, bf16 115.2 against 53.0; batch 2 121.6 / 46.8 and
+143.6 / 95.0; batch 4 142.4 / 61.9 and 306.9 / 120.2; batch 8 194.4 / 182.3 and 381.2 / 136.8; batch 16 256.4 /
+215.9 and 367.7 / 296.1 (a noisy host: copy bandwidth 14.8-18.2 GB/s). At batch 32 the two steps measured alike
+(kernels' step medians bf16 80.0 ms, float32 116.8 ms, against ~80 and ~120 ms for the compiled step in earlier
+sessions), the kernels' per-row work and per-key attention sums growing with the rows; hence MAX_ROWS.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from needle_torch.kernels import Linear, bf16_path
+
+# The most rows a step runs through the kernels; more keep the torch.compile step (see the module docstring).
+MAX_ROWS = 16
+# Every width the kernels vectorise must fill whole float vectors: 16 lanes with AVX-512, 8 with AVX2.
+WIDTH_MULTIPLE = 16
+_SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
+_SCALARS = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
+LAYER, ENGRAM, HEAD = 1, 2, 3  # the source's ENTRY values
+# A lane layer's tensors in the kernel's pointer-table order (decode_step.cpp's Slot): the lane layer's own
+# parameters, its lane offsets, the block's parameters, then its K and V buffers.
+PARAMETERS = ("phi_pre.weight", "phi_post.weight", "phi_res.weight", "b_pre", "b_post", "b_res", "a_pre",
+              "a_post", "a_res")
+BLOCK_PARAMETERS = (
+    "pre_attn_norm.scale", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.q_norm.scale", "self_attn.k_norm.scale", "self_attn.gate_proj.weight", "self_attn.out_proj.weight",
+    "post_attn_norm.scale", "attn_gate", "pre_hada_norm.scale", "hadamard_mlp.d1", "hadamard_mlp.d2",
+    "hadamard_mlp.d3",
+)
+ENGRAM_PARAMETERS = ("embedding", "key_proj.weight", "value_proj.weight", "taps")
+_ARGTYPES = {
+    LAYER: ["const int64_t*", "const T*", "T*", "const bool*", "const float*", "const float*", "const float*",
+            "const T*", "int64_t", "int64_t", "int64_t", "float", "float", "int64_t", "int64_t"],
+    ENGRAM: ["const int64_t*", "const int64_t*", "const bool*", "float*", "T*", "int64_t", "int64_t"],
+    HEAD: ["const int64_t*", "const T*", "float*", "int64_t", "int64_t", "int64_t"],
+}
+_built: dict[str, object] = {}
+_ready: dict[str, bool] = {}
+
+
+class KernelBuildWarning(RuntimeWarning):
+    """The C++ decoding step did not build: compiled steps keep the torch.compile form (same function, slower)."""
+
+
+def _defines(dtype: torch.dtype, config) -> str:
+    return "".join(f"#define {name} {value}\n" for name, value in (
+        ("SCALAR", _SCALARS[dtype]), ("LANES", config.mhc_lanes), ("DMODEL", config.d_model),
+        ("ATTN", config.attn_dim), ("HEADS", config.num_heads), ("KVHEADS", config.num_kv_heads),
+        ("HEAD", config.head_dim), ("HADA", config.hada_dim),
+        ("ENGRAM_ORDERS", ", ".join(str(o) for o in config.engram_orders)),
+        ("ENGRAM_HEADS", config.engram_heads_resolved), ("ENGRAM_SLOTS", config.engram_slots),
+        ("ENGRAM_SUB", config.engram_sub_dim), ("ENGRAM_SITES", config.num_sites)))
+
+
+def _build(dtype: torch.dtype, config) -> dict[int, object]:
+    """The three kernels, compiled side by side (the compiler runs outside the GIL): 24 s one after the other at
+    the published size on 2 cores, cold; inductor's disk cache serves later processes in milliseconds."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    scalar = _SCALARS[dtype]
+    source = _defines(dtype, config) + _SOURCE.read_text()
+
+    def one(entry: int):
+        argtypes = [a.replace("T*", f"{scalar}*") for a in _ARGTYPES[entry]]
+        return CppPythonBindingsCodeCache.load_pybinding(argtypes, f"#define ENTRY {entry}\n" + source)
+
+    with ThreadPoolExecutor(len(_ARGTYPES)) as pool:
+        return dict(zip(_ARGTYPES, pool.map(one, _ARGTYPES), strict=True))
+
+
+def _shaped(config) -> bool:
+    """Whether the model's widths are ones the kernels take (else they would not build)."""
+    widths = (config.d_model, config.attn_dim, config.head_dim, config.engram_sub_dim * config.num_engram_tables)
+    return all(w % WIDTH_MULTIPLE == 0 for w in widths) and config.hada_dim >= config.d_model
+
+
+def _plain(model: nn.Module) -> bool:
+    """Whether what a decoding step runs (the embedding, the engram sites, the stack) is the twin's own code:
+    Linear projections without bias (not a LoRA wrapper), no hooks (a parity tap records through them), contiguous
+    parameters in the model's dtype, flash attention."""
+    parts = (model.embedding, model.engrams, model.stack)
+    for module in (m for part in parts for m in part.modules()):
+        if module._forward_hooks or module._forward_pre_hooks:
+            return False
+        if isinstance(module, nn.Linear) and (type(module) is not Linear or module.bias is not None):
+            return False
+    if any(p.dtype != model.dtype or not p.is_contiguous() for part in parts for p in part.parameters()):
+        return False
+    return model.config.flash and not (nn.modules.module._global_forward_hooks
+                                       or nn.modules.module._global_forward_pre_hooks)
+
+
+def applies(model: nn.Module, rows: int) -> bool:
+    """Whether cached-decoding steps of `rows` rows can run through the kernels: CPU, float32 or bf16, at most
+    MAX_ROWS rows, widths they take, the twin's own plain modules (_plain). Builds the kernels on first use; a
+    failed build warns once (KernelBuildWarning) and answers False from then on."""
+    if (model.device.type != "cpu" or model.dtype not in _SCALARS or not 1 <= rows <= MAX_ROWS
+            or not _shaped(model.config) or not _plain(model)):
+        return False
+    key = _defines(model.dtype, model.config)
+    if key not in _ready:
+        try:
+            _built[key] = _build(model.dtype, model.config)
+            _ready[key] = True
+        except Exception as e:  # no compiler, an inductor internal that moved: the torch forms compute the same
+            _ready[key] = False
+            warnings.warn(f"needle-twin's CPU decoding kernels did not build ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); compiled steps use torch.compile (same "
+                          "function, slower at small batches)", KernelBuildWarning, stacklevel=2)
+    return _ready[key]
+
+
+def _table(tensors: list[Tensor]) -> Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+@dataclass
+class Fused:
+    """One request's kernel state: the kernels, one pointer table per lane layer (int64, 27 pointers), the engram
+    sites' table (4 pointers a site) and the head's, the tensors they point into (kept alive with them), the Walsh
+    matrix's entry cast(1/√P), the masked logit, the buffer length M, whether the bf16 products take the CPU's bf16
+    dot products, and the shapes the outputs take (sites G, d_model D, vocab V, compute dtype)."""
+
+    kernels: dict[int, object]
+    layers: list[Tensor]
+    engram: Tensor
+    head: Tensor
+    tensors: list[Tensor]
+    walsh_entry: float
+    masked: float
+    length: int
+    dp: bool
+    sites: int
+    d_model: int
+    vocab: int
+    dtype: torch.dtype
+
+
+def fuse(model: nn.Module, k: list[Tensor], v: list[Tensor], offsets: list[tuple[Tensor, Tensor]],
+         masked: float) -> Fused:
+    """The kernels' state for a request whose cache holds K/V buffers k, v (one (B, K, M, h) per layer) and these
+    lane offsets; call applies() first. The tables hold data pointers, so they are built per request: a model
+    moved or reloaded between requests is read where it now lives."""
+    layers, tensors = [], []
+    for i, layer in enumerate(model.stack.layers):
+        parts = [layer.get_parameter(name) for name in PARAMETERS] + [*offsets[i]]
+        parts += [layer.block.get_parameter(name) for name in BLOCK_PARAMETERS] + [k[i], v[i]]
+        tensors += parts
+        layers.append(_table(parts))
+    sites = [engram.get_parameter(name) for engram in model.engrams for name in ENGRAM_PARAMETERS]
+    head = [model.stack.final_norm.scale, model.embedding.weight]
+    tensors += sites + head
+    P = model.config.hada_dim
+    entry = float(torch.tensor(1 / math.sqrt(P), dtype=torch.float32).to(model.dtype).float())
+    dp = model.dtype == torch.bfloat16 and bf16_path().native
+    cfg = model.config
+    return Fused(_built[_defines(model.dtype, cfg)], layers, _table(sites), _table(head), tensors, entry, masked,
+                 k[0].shape[2], dp, cfg.num_sites, cfg.d_model, cfg.vocab_size, model.dtype)
+
+
+def engram(fused: Fused, hist: Tensor, hist_valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Every site's (rms_unit(key) (G, B, 1, D) float32, value (G, B, 1, D)) for the newest token of each row, from
+    the history window hist (B, W + 1) int64 and its validity (B, W + 1) bool (model._decode_engram's inputs)."""
+    B = hist.shape[0]
+    ek = torch.empty(fused.sites, B, 1, fused.d_model)
+    ev = torch.empty(fused.sites, B, 1, fused.d_model, dtype=fused.dtype)
+    fused.kernels[ENGRAM](fused.engram, hist.contiguous(), hist_valid.contiguous(), ek, ev, B, int(fused.dp))
+    return ek, ev
+
+
+def run_layers(fused: Fused, x0: Tensor, lanes: int, mask: Tensor, cos: Tensor, sin: Tensor, pos: int,
+               sites: tuple[int, ...], ek_unit: Tensor | None, ev: Tensor | None) -> Tensor:
+    """The lane layers of one decoding step: x0 (B, 1, D) in the compute dtype -> the lanes (B, 1, n, D).
+
+    mask (B, 1, 1, pos + 1) over the keys (make_decode_mask); cos, sin (1, h/2) at position pos; sites[g] the
+    layer of engram site g, whose rms_unit(key) ek_unit and value ev are (G, B, 1, D)."""
+    B, _, D = x0.shape
+    x = x0[:, :, None, :].expand(B, 1, lanes, D).contiguous()  # (B, 1, n, D)
+    y = torch.empty_like(x)
+    mask = mask.reshape(B, -1).contiguous()  # (B, pos + 1)
+    for i in range(len(fused.layers)):
+        g = sites.index(i) if i in sites else -1
+        layer(fused, i, x, y, mask, cos, sin, pos, None if g < 0 else (ek_unit[g], ev[g]))
+        x, y = y, x
+    return x
+
+
+def layer(fused: Fused, i: int, lanes: Tensor, out: Tensor, mask: Tensor, cos: Tensor, sin: Tensor, pos: int,
+          engram: tuple[Tensor, Tensor] | None = None) -> None:
+    """Lane layer i of a decoding step: lanes (B, 1, n, D) -> out (the same shape, written), K and V into the cache
+    at pos. mask (B, pos + 1) bool over the keys; cos, sin (1, h/2) at pos; engram: this layer's site's
+    (rms_unit(key), value), each (B, 1, D), or None."""
+    ek, ev = engram if engram is not None else (lanes.new_empty(0, dtype=torch.float32), lanes.new_empty(0))
+    fused.kernels[LAYER](fused.layers[i], lanes, out, mask, cos, sin, ek, ev, lanes.shape[0], pos, fused.length,
+                         fused.walsh_entry, fused.masked, int(engram is not None), int(fused.dp))
+
+
+def logits(fused: Fused, lanes: Tensor) -> Tensor:
+    """The step's float32 logits (B, 1, V) from the last layer's lanes (B, 1, n, D): lane mean, final_norm, tied
+    output (model.Stack.forward's end, then model._decode_logits)."""
+    B = lanes.shape[0]
+    out = torch.empty(B, 1, fused.vocab)
+    fused.kernels[HEAD](fused.head, lanes, out, B, fused.vocab, int(fused.dp))
+    return out
+
+
+__all__ = ["MAX_ROWS", "Fused", "KernelBuildWarning", "applies", "engram", "fuse", "layer", "logits", "run_layers"]

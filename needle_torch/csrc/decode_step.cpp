@@ -1,0 +1,486 @@
+// A Needle 2 cached-decoding step on CPU (NEEDLE_V2.md §3, §6), one new token per row, as three kernels, each one
+// OpenMP parallel region: ENTRY 1 one lane layer (lane routing and Sinkhorn, the block's engram injection, gated
+// q/k-normed attention over the K/V cache, the Hadamard MLP as a fast Walsh-Hadamard transform, the lane mix);
+// ENTRY 2 every engram site's key and value for the newest token; ENTRY 3 the step's end (lane mean, final_norm,
+// tied logits). The products split their blocks of weight rows evenly across the threads and stream each row once
+// for all rows of the batch; the work between them runs row by row, the rows split across the threads (one
+// thread at batch 1: tens of microseconds a layer). Built by needle_torch/cpu_decode.py through inductor's C++
+// toolchain with these defined in front: ENTRY, SCALAR (float or c10::BFloat16: weights, lanes and K/V cache),
+// LANES, DMODEL, ATTN (attn dim), HEADS, KVHEADS, HEAD (head dim), HADA (Hadamard width, a power of two >= DMODEL),
+// ENGRAM_ORDERS, ENGRAM_HEADS, ENGRAM_SLOTS, ENGRAM_SUB, ENGRAM_SITES.
+//
+// The arithmetic is the eager twin's (needle_torch/v2/model.py, lanes.py, engram.py) in the same order of
+// operations, with every rounding to SCALAR where the eager bf16 twin rounds (r() and rv() below; the identity in
+// float32): products and sums in float32, rounded once per output element; the float32 islands (lane routing,
+// norm statistics, RoPE, softmax, the engram gate and its sum, the lane mix) in float32. It differs from eager only
+// in the order of float32 sums (dot products, the Walsh transform's butterflies instead of a dense product, the
+// softmax sum).
+//
+// Why: at batch 1 the compiled torch step spent its time between kernels (Python wrapper calls, a dozen parallel
+// regions a layer with serial code between them); this is 2 + L calls a step and one region each.
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <cmath>
+#include <vector>
+
+using T = SCALAR;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t N = LANES, D = DMODEL, A = ATTN, H = HEADS, K = KVHEADS, HD = HEAD, P = HADA;
+constexpr int64_t G = H / K, KV = K * HD, ND = N * D, W = Vec::size();
+static_assert(A == H * HD && H % K == 0, "attn dim = heads x head dim, heads a multiple of kv heads");
+static_assert(D % W == 0 && A % W == 0 && HD % W == 0 && (P & (P - 1)) == 0 && P >= D, "vector-aligned widths");
+constexpr float EPS = 1e-6f;
+// How far ahead of its loads a projection asks for its weight rows (bytes): the hardware prefetcher stops at 4 KiB
+// pages, and a decode step's projections are a stream of short rows. Measured on the 27 layers' products alone
+// (2 threads, 2-core AMX Xeon): bf16 dot products 3.2-3.7 against 4.2-4.6 ms, float32 6.7 against 7.1 ms.
+constexpr int64_t PREFETCH = 2048;
+
+// the parameters' places in the pointer table (needle_torch/cpu_decode.py's TABLE, same order)
+enum Slot {
+    PHI_PRE, PHI_POST, PHI_RES, B_PRE, B_POST, B_RES, A_PRE, A_POST, A_RES, PRE_OFF, POST_OFF,
+    PRE_ATTN, WQ, WK, WV, Q_NORM, K_NORM, WGATE, WOUT, POST_ATTN, ATTN_GATE, PRE_HADA, D1, D2, D3, KBUF, VBUF,
+    SLOTS
+};
+
+static inline float r(float x) { return static_cast<float>(static_cast<T>(x)); }  // round to SCALAR
+static inline Vec load(const float* p) { return Vec::loadu(p); }
+static inline Vec load(const c10::BFloat16* p) {
+    return at::vec::convert<float>(at::vec::Vectorized<c10::BFloat16>::loadu(p, W));
+}
+static inline float hsum(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); }
+// round every lane to SCALAR (round to nearest even, as torch's casts); the identity in float32
+static inline Vec rv(Vec v) {
+    if constexpr (std::is_same_v<T, float>) return v;
+    else return std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(v, v)));
+}
+static const Vec ONE(1.0f);
+// sigmoid as the eager twin computes it: torch.sigmoid in float32; in bf16 1 / (1 + exp(-x)) rounded after each op
+static inline Vec sigmoid(Vec x) { return rv(ONE / rv(ONE + rv(x.neg().exp()))); }
+static inline float sigmoid(float x) {
+    if constexpr (std::is_same_v<T, float>) return 1.0f / (1.0f + std::exp(-x));
+    else return r(1.0f / r(1.0f + r(std::exp(-x))));
+}
+static inline void store(float* p, Vec v) { v.store(p); }
+static inline void store(c10::BFloat16* p, Vec v) {  // v's lanes already hold bf16 values
+    at::vec::convert_float_bfloat16(v, v).store(p, W);
+}
+
+// One product of a step: weight rows w (rows, I) against nb input vectors x (nb, I) float32 (xh: the same as
+// SCALAR, for the bf16 dot products; null: none), into y (nb, ystride) float32 sums. A projection is one or more
+// of these, their rows split between the threads.
+struct Seg {
+    const T* w;
+    int64_t rows;
+    const float* x;
+    const T* xh;
+    int64_t nb, xstride;
+    float* y;
+    int64_t ystride;
+};
+
+// up to 4 rows of a Seg from row o, for every input vector (the rows re-read from L1 for the vectors after the first)
+static void rows4(const Seg& sg, int64_t o, int64_t I) {
+    const T* r0 = sg.w + o * I;
+    const int64_t rows = sg.rows - o < 4 ? sg.rows - o : 4;
+    for (int64_t b = 0; b < sg.nb; ++b) {
+        const float* xb = sg.x + b * sg.xstride;
+        float* yb = sg.y + b * sg.ystride + o;
+        Vec acc[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};
+        for (int64_t i = 0; i < I; i += W) {
+            Vec xv = Vec::loadu(xb + i);
+            if (b == 0 && (i * int64_t(sizeof(T))) % 64 == 0)  // once per cache line of each row
+                for (int64_t k = 0; k < rows; ++k)
+                    _mm_prefetch(reinterpret_cast<const char*>(r0 + k * I + i) + PREFETCH, _MM_HINT_T0);
+            for (int64_t k = 0; k < rows; ++k) acc[k] = at::vec::fmadd(load(r0 + k * I + i), xv, acc[k]);
+        }
+        for (int64_t k = 0; k < rows; ++k) yb[k] = hsum(acc[k]);
+    }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && (defined(__clang__) || __GNUC__ >= 10)
+#define HAVE_DPBF16 1
+// rows4 for bf16 weights and bf16-valued inputs with the CPU's bf16 dot products (AVX512-BF16: pairs of exact bf16
+// products added into float32 lanes); the caller checks that the CPU has them and that I % 32 == 0.
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+static void rows4_dp(const c10::BFloat16* w, int64_t rows, const c10::BFloat16* xh, int64_t nb, int64_t xstride,
+                     float* y, int64_t ystride, int64_t I) {
+    for (int64_t b = 0; b < nb; ++b) {
+        const c10::BFloat16* xb = xh + b * xstride;
+        float* yb = y + b * ystride;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t i = 0; i < I; i += 32) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + i);
+            for (int64_t k = 0; k < rows; ++k) {
+                if (b == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * I + i) + PREFETCH, _MM_HINT_T0);
+                acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)_mm512_loadu_si512(w + k * I + i), xv);
+            }
+        }
+        for (int64_t k = 0; k < rows; ++k) yb[k] = _mm512_reduce_add_ps(acc[k]);
+    }
+}
+#endif
+
+// The products of segs[0..n) (one input width I) as one worksharing loop over their blocks of 4 rows, split evenly
+// across the threads (one barrier, at the end). dp: the bf16 dot products, for the Segs that have xh.
+static void project(const Seg* segs, int64_t n, int64_t I, bool dp) {
+    int64_t total = 0;
+    for (int64_t k = 0; k < n; ++k) total += (segs[k].rows + 3) / 4;
+    #pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < total; ++blk) {
+        int64_t k = 0, o = blk;
+        while (o >= (segs[k].rows + 3) / 4) o -= (segs[k].rows + 3) / 4, ++k;
+        const Seg& sg = segs[k];
+#ifdef HAVE_DPBF16
+        if constexpr (!std::is_same_v<T, float>) {
+            if (dp && sg.xh != nullptr && I % 32 == 0) {  // (the casts only name the type T already is here)
+                const int64_t rows = sg.rows - 4 * o < 4 ? sg.rows - 4 * o : 4;
+                rows4_dp(reinterpret_cast<const c10::BFloat16*>(sg.w + 4 * o * I), rows,
+                         reinterpret_cast<const c10::BFloat16*>(sg.xh), sg.nb, sg.xstride, sg.y + 4 * o, sg.ystride,
+                         I);
+                continue;
+            }
+        }
+#endif
+        rows4(sg, 4 * o, I);
+    }
+}
+
+static inline float sum_squares(const float* x, int64_t n) {
+    Vec acc(0);
+    for (int64_t i = 0; i < n; i += W) acc = at::vec::fmadd(Vec::loadu(x + i), Vec::loadu(x + i), acc);
+    return hsum(acc);
+}
+
+// ZCRMSNorm: r(r(r(1 + scale) · x) / sqrt(mean(x²) + eps)), statistics in float32; x already SCALAR-valued
+static void zc_norm(const float* x, const T* scale, float* out, int64_t n) {
+    Vec rms(std::sqrt(sum_squares(x, n) / n + EPS));
+    for (int64_t i = 0; i < n; i += W) store(out + i, rv(rv(rv(ONE + load(scale + i)) * Vec::loadu(x + i)) / rms));
+}
+
+// z = x · cast(H_P) for the Sylvester-Walsh matrix: the unnormalised butterflies in float32, times H_P's entry
+static void walsh(float* z, float entry) {
+    int64_t len = 1;
+    for (; len < P && len < W; len <<= 1)
+        for (int64_t i = 0; i < P; i += len << 1)
+            for (int64_t j = i; j < i + len; ++j) {
+                float a = z[j], b = z[j + len];
+                z[j] = a + b, z[j + len] = a - b;
+            }
+    for (; len < P; len <<= 1)
+        for (int64_t i = 0; i < P; i += len << 1)
+            for (int64_t j = i; j < i + len; j += W) {
+                Vec a = Vec::loadu(z + j), b = Vec::loadu(z + j + len);
+                (a + b).store(z + j), (a - b).store(z + j + len);
+            }
+    Vec e(entry);
+    for (int64_t i = 0; i < P; i += W) rv(Vec::loadu(z + i) * e).store(z + i);
+}
+
+#if ENTRY == 1
+// ---------------------------------------------------------------------------------------------- one lane layer
+// lanes (B, N, D) SCALAR -> out (B, N, D); table: the layer's parameter pointers (Slot order); mask (B, S) over the
+// keys 0..S-1 (S = pos + 1); cos, sin (HD/2) float32 at pos; ek (B, D) float32 rms_unit(engram key) and ev (B, D)
+// SCALAR or null (no engram site); the cache buffers (B, K, M, HD) in the table; walsh_entry = cast(1/sqrt(P));
+// dp: use the CPU's bf16 dot products (bf16 only; the caller checks the CPU has them).
+extern "C" void kernel(const int64_t* table, const T* lanes, T* out, const bool* mask, const float* cos,
+                       const float* sin, const float* ek, const T* ev, int64_t B, int64_t pos, int64_t M,
+                       float walsh_entry, float masked, int64_t engram, int64_t dp) {
+    auto ptr = [&](Slot s) { return reinterpret_cast<const T*>(table[s]); };
+    const int64_t S = pos + 1, R = 2 * N + N * N, QKVG = 2 * A + 2 * KV;
+    const float scale = 1.0f / std::sqrt(float(HD));
+    // per-row float32 scratch, each holding SCALAR-rounded values where the eager twin holds SCALAR tensors;
+    // xnh, atth: the inputs of the bf16 dot products as bf16
+    std::vector<float> xhat(B * ND), proj(B * R), hpre(B * N), hpost(B * N), hres(B * N * N);
+    std::vector<float> u(B * D), x(B * D), xn(B * D), qkvg(B * QKVG), att(B * A), o(B * D), z(B * P), s(B * H * S);
+    std::vector<T> xnh(B * D), atth(B * A);
+    // x̂ φᵀ for φ_pre, φ_post, φ_res into proj; q, gate, k, v (in that order) into qkvg; out_proj into o
+    const Seg phi[3] = {{ptr(PHI_PRE), N, xhat.data(), nullptr, B, ND, proj.data(), R},
+                        {ptr(PHI_POST), N, xhat.data(), nullptr, B, ND, proj.data() + N, R},
+                        {ptr(PHI_RES), N * N, xhat.data(), nullptr, B, ND, proj.data() + 2 * N, R}};
+    const Seg qgkv[4] = {{ptr(WQ), A, xn.data(), xnh.data(), B, D, qkvg.data(), QKVG},
+                         {ptr(WGATE), A, xn.data(), xnh.data(), B, D, qkvg.data() + A, QKVG},
+                         {ptr(WK), KV, xn.data(), xnh.data(), B, D, qkvg.data() + 2 * A, QKVG},
+                         {ptr(WV), KV, xn.data(), xnh.data(), B, D, qkvg.data() + 2 * A + KV, QKVG}};
+    const Seg out_proj = {ptr(WOUT), D, att.data(), atth.data(), B, A, o.data(), D};
+    #pragma omp parallel
+    {
+        // ---- lane routing inputs: x̂ = rms_unit(lanes flattened), then x̂ φᵀ for φ_pre, φ_post, φ_res
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+            const T* l = lanes + b * ND;
+            float* xh = xhat.data() + b * ND;
+            for (int64_t i = 0; i < ND; i += W) load(l + i).store(xh + i);
+            Vec inv(1.0f / std::sqrt(sum_squares(xh, ND) / ND + EPS));
+            for (int64_t i = 0; i < ND; i += W) (Vec::loadu(xh + i) * inv).store(xh + i);
+        }
+        project(phi, 3, ND, false);
+        // ---- routing weights, Sinkhorn, u = mix_in, the engram injection, pre_attn_norm
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+            const float* p = proj.data() + b * R;
+            const float* pre_off = reinterpret_cast<const float*>(table[PRE_OFF]);
+            const float* post_off = reinterpret_cast<const float*>(table[POST_OFF]);
+            float a_pre = float(*ptr(A_PRE)), a_post = float(*ptr(A_POST)), a_res = float(*ptr(A_RES));
+            for (int64_t i = 0; i < N; ++i) {
+                hpre[b * N + i] = 1.0f / (1.0f + std::exp(-(a_pre * p[i] + float(ptr(B_PRE)[i]) + pre_off[i])));
+                hpost[b * N + i] = 2.0f / (1.0f + std::exp(-(a_post * p[N + i] + float(ptr(B_POST)[i]) + post_off[i])));
+            }
+            float zz[N][N];
+            for (int64_t i = 0; i < N; ++i)
+                for (int64_t j = 0; j < N; ++j) zz[i][j] = a_res * p[2 * N + i * N + j] + float(ptr(B_RES)[i * N + j]);
+            for (int it = 0; it < 20; ++it) {
+                for (int64_t i = 0; i < N; ++i) {  // rows (the last axis)
+                    float m = zz[i][0], t = 0;
+                    for (int64_t j = 1; j < N; ++j) m = std::max(m, zz[i][j]);
+                    for (int64_t j = 0; j < N; ++j) t += std::exp(zz[i][j] - m);
+                    float lse = m + std::log(t);
+                    for (int64_t j = 0; j < N; ++j) zz[i][j] -= lse;
+                }
+                for (int64_t j = 0; j < N; ++j) {  // columns
+                    float m = zz[0][j], t = 0;
+                    for (int64_t i = 1; i < N; ++i) m = std::max(m, zz[i][j]);
+                    for (int64_t i = 0; i < N; ++i) t += std::exp(zz[i][j] - m);
+                    float lse = m + std::log(t);
+                    for (int64_t i = 0; i < N; ++i) zz[i][j] -= lse;
+                }
+            }
+            for (int64_t i = 0; i < N; ++i)
+                for (int64_t j = 0; j < N; ++j) hres[(b * N + i) * N + j] = std::exp(zz[i][j]);
+            const T* l = lanes + b * ND;
+            float* ub = u.data() + b * D;
+            float* xb = x.data() + b * D;
+            for (int64_t d = 0; d < D; d += W) {
+                Vec t(0);
+                for (int64_t i = 0; i < N; ++i) t = t + Vec(hpre[b * N + i]) * load(l + i * D + d);
+                rv(t).store(ub + d), rv(t).store(xb + d);
+            }
+            if (engram) {  // x = u + r(α · f32(ev)), α = σ(⟨rms_unit(u), rms_unit(ek)⟩ / √D)
+                float inv = 1.0f / std::sqrt(sum_squares(ub, D) / D + EPS);
+                Vec dot(0);
+                for (int64_t d = 0; d < D; d += W) dot = at::vec::fmadd(Vec::loadu(ub + d) * Vec(inv), Vec::loadu(ek + b * D + d), dot);
+                Vec alpha(1.0f / (1.0f + std::exp(-(hsum(dot) / std::sqrt(float(D))))));
+                for (int64_t d = 0; d < D; d += W)
+                    rv(Vec::loadu(ub + d) + rv(alpha * load(ev + b * D + d))).store(xb + d);
+            }
+            zc_norm(xb, ptr(PRE_ATTN), xn.data() + b * D, D);
+            for (int64_t d = 0; d < D; d += W) store(xnh.data() + b * D + d, Vec::loadu(xn.data() + b * D + d));
+        }
+        // ---- q, gate, k, v: one pass over their weight rows
+        project(qgkv, 4, D, dp);
+        // ---- per head: round the products, q/k norms, RoPE (float32 tables), K/V into the cache at pos
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+            float* q = qkvg.data() + b * QKVG;
+            for (int64_t i = 0; i < QKVG; i += W) rv(Vec::loadu(q + i)).store(q + i);
+            float tmp[HD];
+            for (int64_t hh = 0; hh < H + K; ++hh) {  // query heads, then kv heads (k follows gate)
+                float* v = hh < H ? q + hh * HD : q + 2 * A + (hh - H) * HD;
+                zc_norm(v, ptr(hh < H ? Q_NORM : K_NORM), tmp, HD);
+                for (int64_t i = 0; i < HD / 2; ++i) {  // (half a head may be less than a vector)
+                    float x1 = tmp[i], x2 = tmp[i + HD / 2];
+                    v[i] = r(x1 * cos[i] - x2 * sin[i]);
+                    v[i + HD / 2] = r(x2 * cos[i] + x1 * sin[i]);
+                }
+            }
+            T* kb = const_cast<T*>(ptr(KBUF)) + (b * K * M + pos) * HD;
+            T* vb = const_cast<T*>(ptr(VBUF)) + (b * K * M + pos) * HD;
+            for (int64_t kh = 0; kh < K; ++kh)
+                for (int64_t i = 0; i < HD; i += W) {
+                    store(kb + kh * M * HD + i, Vec::loadu(q + 2 * A + kh * HD + i));
+                    store(vb + kh * M * HD + i, Vec::loadu(q + 2 * A + KV + kh * HD + i));
+                }
+        }
+        // ---- attention over the cache, one (row, kv head) per iteration: flash arithmetic (cpu_attention's)
+        #pragma omp for schedule(static)
+        for (int64_t unit = 0; unit < B * K; ++unit) {
+            const int64_t b = unit / K, kh = unit % K;
+            const T* kc = ptr(KBUF) + (b * K + kh) * M * HD;
+            const T* vc = ptr(VBUF) + (b * K + kh) * M * HD;
+            const bool* mk = mask + b * S;
+            const float* q = qkvg.data() + b * QKVG + kh * G * HD;
+            float* sg = s.data() + (b * H + kh * G) * S;
+            float mx[G];
+            for (int64_t g = 0; g < G; ++g) mx[g] = masked;
+            for (int64_t m = 0; m < S; ++m) {
+                if (!mk[m]) {
+                    for (int64_t g = 0; g < G; ++g) sg[g * S + m] = masked;
+                    continue;
+                }
+                Vec kr[HD / W];
+                for (int64_t j = 0; j < HD / W; ++j) kr[j] = load(kc + m * HD + j * W);
+                for (int64_t g = 0; g < G; ++g) {
+                    Vec acc = Vec::loadu(q + g * HD) * kr[0];
+                    for (int64_t j = 1; j < HD / W; ++j) acc = at::vec::fmadd(Vec::loadu(q + g * HD + j * W), kr[j], acc);
+                    float d = hsum(acc) * scale;
+                    sg[g * S + m] = d;
+                    mx[g] = std::max(mx[g], d);
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                float* sp = sg + g * S;
+                Vec mv(mx[g]), tv(0);
+                int64_t m = 0;
+                for (; m + W <= S; m += W) {
+                    Vec e = (Vec::loadu(sp + m) - mv).exp();
+                    e.store(sp + m);
+                    tv = tv + e;
+                }
+                float t = hsum(tv);
+                for (; m < S; ++m) t += (sp[m] = std::exp(sp[m] - mx[g]));
+                Vec inv_t(t);
+                for (m = 0; m + W <= S; m += W) rv(Vec::loadu(sp + m) / inv_t).store(sp + m);
+                for (; m < S; ++m) sp[m] = r(sp[m] / t);
+                Vec acc[HD / W];
+                for (int64_t j = 0; j < HD / W; ++j) acc[j] = Vec(0);
+                for (m = 0; m < S; ++m) {
+                    if (sp[m] == 0) continue;  // exactly zero weight (masked keys): adds nothing
+                    Vec p(sp[m]);
+                    for (int64_t j = 0; j < HD / W; ++j) acc[j] = at::vec::fmadd(p, load(vc + m * HD + j * W), acc[j]);
+                }
+                float* ob = att.data() + b * A + (kh * G + g) * HD;
+                for (int64_t j = 0; j < HD / W; ++j) rv(acc[j]).store(ob + j * W);
+            }
+        }
+        // ---- the sigmoid output gate
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t i = 0; i < A; i += W) {
+                Vec v = rv(Vec::loadu(att.data() + b * A + i) * sigmoid(Vec::loadu(qkvg.data() + b * QKVG + A + i)));
+                v.store(att.data() + b * A + i);
+                store(atth.data() + b * A + i, v);
+            }
+        project(&out_proj, 1, A, dp);
+        // ---- x += σ(attn_gate)·post_attn_norm(o); the Hadamard MLP; y = block - u; the lane mix
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+            float* ob = o.data() + b * D;
+            float* xb = x.data() + b * D;
+            float* nb = xn.data() + b * D;
+            float* zb = z.data() + b * P;
+            for (int64_t d = 0; d < D; d += W) rv(Vec::loadu(ob + d)).store(ob + d);
+            zc_norm(ob, ptr(POST_ATTN), nb, D);
+            Vec g(r(sigmoid(float(*ptr(ATTN_GATE)))));
+            for (int64_t d = 0; d < D; d += W) rv(Vec::loadu(xb + d) + rv(g * Vec::loadu(nb + d))).store(xb + d);
+            zc_norm(xb, ptr(PRE_HADA), nb, D);
+            for (int64_t i = 0; i < P; i += W) (i < D ? rv(load(ptr(D1) + i) * Vec::loadu(nb + i)) : Vec(0)).store(zb + i);
+            walsh(zb, walsh_entry);
+            for (int64_t i = 0; i < P; i += W) {
+                Vec v = rv(load(ptr(D2) + i) * Vec::loadu(zb + i));
+                rv(v * sigmoid(v)).store(zb + i);
+            }
+            walsh(zb, walsh_entry);
+            const T* l = lanes + b * ND;
+            T* ol = out + b * ND;
+            for (int64_t d = 0; d < D; d += W) {
+                Vec y = rv(rv(Vec::loadu(xb + d) + rv(load(ptr(D3) + d) * Vec::loadu(zb + d))) - Vec::loadu(u.data() + b * D + d));
+                for (int64_t i = 0; i < N; ++i) {
+                    Vec t(0);
+                    for (int64_t j = 0; j < N; ++j) t = t + Vec(hres[(b * N + i) * N + j]) * load(l + j * D + d);
+                    store(ol + i * D + d, rv(t + Vec(hpost[b * N + i]) * y));
+                }
+            }
+        }
+    }
+}
+
+#elif ENTRY == 2
+// ---------------------------------------------------------------------------------------------- the engram sites
+// Every site's engram key and value for the newest token of each row (model.Engram.forward with last=1, as
+// decode_step reads it: the n-grams and taps of the history window alone, validity from hist_valid). ENGRAM_ORDERS
+// (the orders, comma-separated), ENGRAM_HEADS E, ENGRAM_SLOTS S, ENGRAM_SUB s, SITES G; N = |O|·E tables, table
+// k = oi·E + e (order-major). Hash: acc = SEED·(k+1); acc = (acc XOR u[t-j])·PRIME for j < o (u = 0 before the
+// window); acc ^= acc >> 15; row = acc mod S; all mod 2^32 (upstream's engram_indices).
+constexpr int64_t ORDERS[] = {ENGRAM_ORDERS};
+constexpr int64_t NO = sizeof(ORDERS) / sizeof(ORDERS[0]), E = ENGRAM_HEADS, SL = ENGRAM_SLOTS, SUB = ENGRAM_SUB;
+constexpr int64_t NT = NO * E, NS = NT * SUB, SITES = ENGRAM_SITES, TAPS = 4;
+constexpr int64_t DIL = [] { int64_t m = 0; for (int64_t o : ORDERS) m = o > m ? o : m; return m; }();
+constexpr int64_t HW = TAPS * DIL + 1;  // the history window: W = 4·max(O) tokens before the newest, and it
+static_assert(NS % W == 0, "engram width N·s a multiple of the vector width");
+
+// table: per site (embedding (N, S, s), key_proj (D, N·s), value_proj (D, N·s), taps (4, D)); hist (B, HW) int64 and
+// hv (B, HW) bool: the window's tokens and validity, newest last; out: ek (G, B, D) float32 rms_unit(key), ev (G, B,
+// D) SCALAR the tapped value.
+extern "C" void kernel(const int64_t* table, const int64_t* hist, const bool* hv, float* ek, T* ev, int64_t B,
+                       int64_t dp) {
+    // the value rows the taps read: t - j·dil for j < 4 (t = HW - 1, the newest; j = 0 is also the key's row)
+    std::vector<float> e(SITES * B * TAPS * NS), key(SITES * B * D), val(SITES * B * TAPS * D);
+    std::vector<T> eh(SITES * B * TAPS * NS);
+    std::vector<Seg> segs;
+    for (int64_t g = 0; g < SITES; ++g) {
+        const T* key_proj = reinterpret_cast<const T*>(table[4 * g + 1]);
+        const T* value_proj = reinterpret_cast<const T*>(table[4 * g + 2]);
+        const float* eg = e.data() + g * B * TAPS * NS;
+        const T* egh = eh.data() + g * B * TAPS * NS;
+        segs.push_back({key_proj, D, eg, egh, B, TAPS * NS, key.data() + g * B * D, D});
+        segs.push_back({value_proj, D, eg, egh, B * TAPS, NS, val.data() + g * B * TAPS * D, D});
+    }
+    #pragma omp parallel
+    {
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t g = 0; g < SITES; ++g)
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t j = 0; j < TAPS; ++j) {
+                    const T* emb = reinterpret_cast<const T*>(table[4 * g]);
+                    const int64_t t = HW - 1 - j * DIL;
+                    const int64_t* u = hist + b * HW;
+                    float* ej = e.data() + ((g * B + b) * TAPS + j) * NS;
+                    for (int64_t k = 0; k < NT; ++k) {
+                        const int64_t order = ORDERS[k / E];
+                        uint32_t acc = uint32_t(0x9E3779B9u) * uint32_t(k + 1);
+                        for (int64_t back = 0; back < order; ++back)
+                            acc = (acc ^ (t - back >= 0 ? uint32_t(u[t - back]) : 0u)) * uint32_t(0x01000193u);
+                        acc ^= acc >> 15;
+                        const bool ok = t - (order - 1) >= 0 && hv[b * HW + t - (order - 1)];  // ngram_ok
+                        const T* row = emb + (k * SL + int64_t(acc % uint32_t(SL))) * SUB;
+                        for (int64_t c = 0; c < SUB; ++c) ej[k * SUB + c] = ok ? float(row[c]) : 0.0f;
+                    }
+                    T* ejh = eh.data() + ((g * B + b) * TAPS + j) * NS;
+                    for (int64_t c = 0; c < NS; ++c) ejh[c] = static_cast<T>(ej[c]);
+                }
+        project(segs.data(), int64_t(segs.size()), NS, dp);
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t g = 0; g < SITES; ++g)
+            for (int64_t b = 0; b < B; ++b) {
+                const T* taps = reinterpret_cast<const T*>(table[4 * g + 3]);
+                float* kb = key.data() + (g * B + b) * D;
+                for (int64_t d = 0; d < D; d += W) rv(Vec::loadu(kb + d)).store(kb + d);
+                Vec inv(1.0f / std::sqrt(sum_squares(kb, D) / D + EPS));  // rms_unit, as the stack reads the key
+                for (int64_t d = 0; d < D; d += W) (Vec::loadu(kb + d) * inv).store(ek + (g * B + b) * D + d);
+                for (int64_t d = 0; d < D; d += W) {  // Σ_j taps[j] ⊙ v[t - j·dil] · tap_ok[j], rounded per op
+                    Vec acc(0);
+                    for (int64_t j = 0; j < TAPS; ++j) {
+                        const float* vj = val.data() + ((g * B + b) * TAPS + j) * D;
+                        Vec term = hv[b * HW + HW - 1 - j * DIL] ? rv(load(taps + j * D + d) * rv(Vec::loadu(vj + d)))
+                                                                 : Vec(0);
+                        acc = j == 0 ? term : rv(acc + term);
+                    }
+                    store(ev + (g * B + b) * D + d, acc);
+                }
+            }
+    }
+}
+
+#elif ENTRY == 3
+// ---------------------------------------------------------------------------------------------- the step's logits
+// lanes (B, N, D) SCALAR after the last layer -> logits (B, V) float32: the lane mean rounded to SCALAR (float32
+// sum), final_norm, then f32(x)·f32(E)ᵀ against the tied embedding E (V, D) read in its own dtype.
+// table: final_norm.scale, E.
+extern "C" void kernel(const int64_t* table, const T* lanes, float* logits, int64_t B, int64_t V, int64_t dp) {
+    std::vector<float> mean(B * D), x(B * D);
+    std::vector<T> xh(B * D);
+    const Seg seg = {reinterpret_cast<const T*>(table[1]), V, x.data(), xh.data(), B, D, logits, V};
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+            for (int64_t d = 0; d < D; d += W) {
+                Vec t(0);
+                for (int64_t i = 0; i < N; ++i) t = t + load(lanes + (b * N + i) * D + d);
+                rv(t / Vec(float(N))).store(mean.data() + b * D + d);
+            }
+            zc_norm(mean.data() + b * D, reinterpret_cast<const T*>(table[0]), x.data() + b * D, D);
+            for (int64_t d = 0; d < D; d += W) store(xh.data() + b * D + d, Vec::loadu(x.data() + b * D + d));
+        }
+        project(&seg, 1, D, dp);
+    }
+}
+#endif
