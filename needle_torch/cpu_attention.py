@@ -18,11 +18,12 @@ form costs no call). Hence MIN_UNITS.
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from needle_torch.kernels import build_once
 
 # Rows x kv heads from which a compiled step calls the kernel instead of fusing the attention into the layer (batch 8
 # at the published size's 4 kv heads; batch 4 measured even).
@@ -44,10 +45,6 @@ def takes(units: int) -> bool:
     return units >= MIN_UNITS
 
 
-class KernelBuildWarning(RuntimeWarning):
-    """The C++ decode attention did not build: compiled steps keep the fused torch form (same function, slower)."""
-
-
 def _build(dtype: torch.dtype, group: int, head: int):
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
@@ -61,19 +58,12 @@ def _build(dtype: torch.dtype, group: int, head: int):
 def prepare(dtype: torch.dtype, group: int, head: int, device: torch.device, units: int) -> None:
     """Build the kernel a compiled step over `units` rows x kv heads in `dtype` with these heads will call, if it
     takes one (before compiling: the build runs eagerly, and a failure leaves the fused form in place with one
-    KernelBuildWarning)."""
-    key = _key(dtype, group, head)
-    if (not takes(units) or device.type != "cpu" or dtype not in _SCALARS or head % HEAD_MULTIPLE
-            or key in _ready):
+    kernels.KernelBuildWarning)."""
+    if not takes(units) or device.type != "cpu" or dtype not in _SCALARS or head % HEAD_MULTIPLE:
         return
-    try:
-        _built[key] = _build(dtype, group, head)
-        _ready[key] = True
-    except Exception as e:  # no compiler, an inductor internal that moved: the torch form computes the same
-        _ready[key] = False
-        warnings.warn(f"needle-twin's CPU decode attention kernel did not build ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}); compiled steps use the fused torch form (same "
-                      "function, slower at large batches)", KernelBuildWarning, stacklevel=2)
+    build_once(_key(dtype, group, head), lambda: _build(dtype, group, head), _built, _ready,
+               "CPU decode attention kernel", "compiled steps use the fused torch form (same function, slower at "
+               "large batches)")
 
 
 def applies(q: Tensor, k: Tensor, flash: bool) -> bool:

@@ -23,7 +23,6 @@ sessions), the kernels' per-row work and per-key attention sums growing with the
 from __future__ import annotations
 
 import math
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from needle_torch.kernels import Linear, bf16_path
+from needle_torch.kernels import Linear, bf16_path, build_once
 
 # The most rows a step runs through the kernels; more keep the torch.compile step (see the module docstring).
 MAX_ROWS = 16
@@ -59,10 +58,6 @@ _ARGTYPES = {
 }
 _built: dict[str, object] = {}
 _ready: dict[str, bool] = {}
-
-
-class KernelBuildWarning(RuntimeWarning):
-    """The C++ decoding step did not build: compiled steps keep the torch.compile form (same function, slower)."""
 
 
 def _defines(dtype: torch.dtype, config) -> str:
@@ -116,21 +111,13 @@ def _plain(model: nn.Module) -> bool:
 def applies(model: nn.Module, rows: int) -> bool:
     """Whether cached-decoding steps of `rows` rows can run through the kernels: CPU, float32 or bf16, at most
     MAX_ROWS rows, widths they take, the twin's own plain modules (_plain). Builds the kernels on first use; a
-    failed build warns once (KernelBuildWarning) and answers False from then on."""
+    failed build warns once (kernels.KernelBuildWarning) and answers False from then on."""
     if (model.device.type != "cpu" or model.dtype not in _SCALARS or not 1 <= rows <= MAX_ROWS
             or not _shaped(model.config) or not _plain(model)):
         return False
-    key = _defines(model.dtype, model.config)
-    if key not in _ready:
-        try:
-            _built[key] = _build(model.dtype, model.config)
-            _ready[key] = True
-        except Exception as e:  # no compiler, an inductor internal that moved: the torch forms compute the same
-            _ready[key] = False
-            warnings.warn(f"needle-twin's CPU decoding kernels did not build ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); compiled steps use torch.compile (same "
-                          "function, slower at small batches)", KernelBuildWarning, stacklevel=2)
-    return _ready[key]
+    return build_once(_defines(model.dtype, model.config), lambda: _build(model.dtype, model.config), _built, _ready,
+                      "CPU decoding kernels", "compiled steps use torch.compile (same function, slower at small "
+                      "batches)")
 
 
 def _table(tensors: list[Tensor]) -> Tensor:
@@ -227,4 +214,4 @@ def logits(fused: Fused, lanes: Tensor) -> Tensor:
     return out
 
 
-__all__ = ["MAX_ROWS", "Fused", "KernelBuildWarning", "applies", "engram", "fuse", "layer", "logits", "run_layers"]
+__all__ = ["MAX_ROWS", "Fused", "applies", "engram", "fuse", "layer", "logits", "run_layers"]

@@ -191,6 +191,29 @@ def prefill_rows(batch: int, length: int, device: torch.device) -> int:
     return max(1, min(batch, PREFILL_TOKENS // length))  # length >= 1: every prompt has a token
 
 
+# ----------------------------------------------------------------------------- C++ kernels built at run time
+
+
+class KernelBuildWarning(RuntimeWarning):
+    """A C++ kernel of needle_torch did not build: its callers keep the torch form (the same function, slower)."""
+
+
+def build_once(key: str, build: Callable[[], object], built: dict, ready: dict, what: str, fallback: str) -> bool:
+    """built[key] = build() the first time `key` is asked for, and ready[key] whether that worked (plain values, which
+    compiled graphs can guard on). A failure (no compiler, an inductor internal that moved) warns once, with a
+    KernelBuildWarning naming `what` did not build and `fallback` (what runs instead), and answers False after."""
+    if key not in ready:
+        try:
+            built[key] = build()
+            ready[key] = True
+        except Exception as e:
+            ready[key] = False
+            first = str(e).splitlines()[0] if str(e) else ""
+            warnings.warn(f"needle-twin's {what} did not build ({type(e).__name__}: {first}); {fallback}",
+                          KernelBuildWarning, stacklevel=3)
+    return ready[key]
+
+
 # ----------------------------------------------------------------------------- compiled steps
 
 

@@ -25,6 +25,7 @@ from needle_torch.v1.model import make_padding_mask as torch_padding_mask
 from parity_tests.metrics import max_rel
 from parity_tests.twins import build_twins
 from parity_tests.v1.adapter import ADAPTER
+from tests.torch_threads import torch_threads
 
 SPECIAL = SPECIAL_IDS  # PAD EOS BOS UNK <tool_call> <tools>: the fixtures' greedy loop never chose these
 F32_REL = 1e-5  # float32 twins of one function: ~5e-7 seen; 1e-5 is the project's float32 logits budget
@@ -44,10 +45,8 @@ def one_torch_thread():
     """These models are tiny: on shared cores a second torch thread only waits for the first (10-100x slower).
 
     (float32 parity also needs full-precision matmuls: conftest pins them for the session.)"""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from needle_torch import cpu_attention
+from needle_torch import cpu_attention, kernels
 from needle_torch.v2.model import FLASH_NEG, dot_product_attention
 
 # float32: the same products, summed in another order (16-lane partial sums, then across lanes): measured 1.3-5.7e-7.
@@ -91,7 +91,7 @@ def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkey
     monkeypatch.setattr(cpu_attention, "_build", fail)
     monkeypatch.setattr(cpu_attention, "_built", {})
     monkeypatch.setattr(cpu_attention, "_ready", {})
-    with pytest.warns(cpu_attention.KernelBuildWarning, match="no C[+][+] compiler"):
+    with pytest.warns(kernels.KernelBuildWarning, match="no C[+][+] compiler"):
         cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -10,6 +10,7 @@ a bf16 rounding, which moves that element by one bf16 ulp and what follows it in
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -25,6 +26,7 @@ from needle_torch.v2 import SimpleAttentionNetwork
 from needle_torch.v2.generate import generate
 from needle_torch.v2.lanes import rms_unit
 from needle_torch.v2.model import make_decode_mask
+from tests.torch_threads import torch_threads
 from tests.v2.goldens import G, assert_generated, chosen_from
 
 DATA = "tests/data/"
@@ -44,10 +46,8 @@ PUBLISHED_3 = dataclasses.replace(NEEDLE_V2_PUBLISHED, num_layers=3, engram_laye
 @pytest.fixture(scope="module", autouse=True)
 def two_threads():
     """The kernels split their products between OpenMP threads (torch's own pool): run them with two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(2):
+        yield
 
 
 def widen(tree, dtype):
@@ -223,3 +223,19 @@ def test_a_width_the_kernels_do_not_take_keeps_the_torch_step():
     m = SimpleAttentionNetwork.from_flax(random_flax_params(cfg, seed=0, groups=()), cfg)
     assert not cpu_decode.applies(m, 1)
     assert cpu_decode._defines(m.dtype, cfg) not in cpu_decode._ready
+
+
+def test_kernels_that_do_not_build_warn_once_and_keep_the_torch_step(monkeypatch):
+    """A failed build (here: no compiler) warns once a process and answers False, so compile=True traces instead."""
+    def fail(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_decode, "_build", fail)
+    monkeypatch.setattr(cpu_decode, "_built", {})
+    monkeypatch.setattr(cpu_decode, "_ready", {})
+    m = model("tiny", np.float32)
+    with pytest.warns(kernels.KernelBuildWarning, match="CPU decoding kernels did not build .*no C[+][+] compiler"):
+        assert not cpu_decode.applies(m, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cpu_decode.applies(m, 1)  # tried once a process

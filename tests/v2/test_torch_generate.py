@@ -30,6 +30,7 @@ from needle_torch.v2 import SimpleAttentionNetwork, engram_masks
 from needle_torch.v2.engram import engram_history_masks
 from needle_torch.v2.generate import generate, generate_recompute, pick
 from needle_torch.v2.model import make_decode_mask
+from tests.torch_threads import torch_threads
 from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, left_padded, run_loop_reference
 
 torch.set_float32_matmul_precision("highest")  # float32 parity: no reduced-precision passes
@@ -63,10 +64,8 @@ OTHER_GRAPHS = pytest.mark.xdist_group("torch-v2-compiled-other")
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """Tiny models: on 2 shared cores a second torch thread only waits for the first."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def rel(a, ref) -> float:
