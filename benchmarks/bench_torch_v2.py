@@ -191,7 +191,9 @@ def run_v1(args) -> dict:
 
 def child(args) -> None:
     torch.set_num_threads(args.threads)
-    max_rows = cpu_decode.MAX_ROWS if args.max_rows is None else args.max_rows
+    limits = (cpu_decode.MAX_ROWS, cpu_decode.TILE_MAX_ROWS)
+    if args.max_rows is not None:
+        limits = (args.max_rows, args.max_rows)
     path = bf16_path()
     auto = decide_bf16_path({k: v for k, v in os.environ.items() if k != BF16_PATH_ENV}, cpu_flags(),
                             torch.backends.cpu.get_cpu_capability())
@@ -203,7 +205,7 @@ def child(args) -> None:
             out["cells"][spec] = run_v1(args)
             continue
         dtype, batch, mode = spec.split(",")
-        cpu_decode.MAX_ROWS = 0 if mode == "traced" else max_rows
+        cpu_decode.MAX_ROWS, cpu_decode.TILE_MAX_ROWS = (0, 0) if mode == "traced" else limits
         out["cells"][spec] = run_v2(dtype, int(batch), MODES[mode], args)
     out["load_after"] = os.getloadavg()
     print("RESULT " + json.dumps(out), flush=True)
@@ -266,8 +268,8 @@ def main() -> None:
                         help="the bf16 paths to force, one process each (native is emulated, and slow, on a CPU "
                              "without bf16 units)")
     parser.add_argument("--max-rows", type=int, default=None,
-                        help="rows up to which compiled steps take the C++ kernels (default cpu_decode.MAX_ROWS): "
-                             "for measuring where they stop paying")
+                        help="rows up to which compiled steps take the C++ kernels (default cpu_decode.max_rows: "
+                             "MAX_ROWS, TILE_MAX_ROWS for bf16 on AMX tiles): for measuring where they stop paying")
     parser.add_argument("--no-emulate", dest="emulate", action="store_false", help="skip the AVX2-only runs")
     parser.add_argument("--v1", action="store_true", help="also Needle v1's torch encode and compiled decode")
     parser.add_argument("--upstream", nargs="+", default=[], metavar="KEY=VALUE",

@@ -39,13 +39,14 @@ class Bf16Path:
     native: bool
     reason: str
     features: tuple[str, ...]  # the CPU's bf16-relevant flags and ISA caps found
+    tiles: bool = False  # native, and AMX tiles too (amx_bf16, amx_tile; no ONEDNN_MAX_CPU_ISA below them)
 
     @property
     def name(self) -> str:
         return "native" if self.native else "upcast"
 
     def __str__(self) -> str:
-        return f"bf16 products {self.name}: {self.reason}"
+        return f"bf16 products {self.name}: {self.reason}" + ("; AMX tiles" if self.tiles else "")
 
 
 def cpu_flags() -> set[str]:
@@ -66,9 +67,12 @@ def decide_bf16_path(environ: Mapping[str, str], flags: set[str], aten: str) -> 
     units = tuple(f for f in NATIVE_BF16_FLAGS if f in flags)
     onednn = (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "").upper()
     features = (*units, f"aten={aten}", *([f"onednn<={onednn}"] if onednn else []))
+    tiles = {"amx_bf16", "amx_tile"} <= flags and aten == "AVX512" and not (
+        onednn in _ONEDNN_ISAS and _ONEDNN_ISAS.index(onednn) < _ONEDNN_ISAS.index("AVX10_1_512_AMX"))
     forced = environ.get(BF16_PATH_ENV, "").lower()
     if forced in ("native", "upcast"):
-        return Bf16Path(forced == "native", f"forced by {BF16_PATH_ENV}={forced}", features)
+        return Bf16Path(forced == "native", f"forced by {BF16_PATH_ENV}={forced}", features,
+                        tiles and forced == "native")
     if not units:
         return Bf16Path(False, f"the CPU has none of {'/'.join(NATIVE_BF16_FLAGS)}, so library bf16 kernels would "
                                "emulate them; float32 kernels on upcast operands", features)
@@ -76,7 +80,7 @@ def decide_bf16_path(environ: Mapping[str, str], flags: set[str], aten: str) -> 
         return Bf16Path(False, f"ONEDNN_MAX_CPU_ISA={onednn} keeps oneDNN below its bf16 kernels", features)
     if aten != "AVX512":
         return Bf16Path(False, f"ATEN_CPU_CAPABILITY caps ATen at {aten}", features)
-    return Bf16Path(True, f"{'/'.join(units)} found: oneDNN runs bf16 products in hardware", features)
+    return Bf16Path(True, f"{'/'.join(units)} found: oneDNN runs bf16 products in hardware", features, tiles)
 
 
 @functools.cache

@@ -94,17 +94,45 @@ def prompts_for(config, rows: int, length: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bf16"])
-@pytest.mark.parametrize("name,rows", [("tiny", 1), ("tiny", 3), ("published-3", 1), ("published-3", 2)])
+@pytest.mark.parametrize("name,rows", [("tiny", 1), ("tiny", 3), ("published-3", 1), ("published-3", 5)])
 def test_each_kernel_is_the_eager_piece(name, rows, dtype):
     """One decoding step after a prefill, every piece fed the eager inputs: both engram sites' keys and values,
-    each lane layer's new lanes and the K/V it writes at the step's position, and the logits."""
-    m = model(name, dtype)
+    each lane layer's new lanes and the K/V it writes at the step's position, and the logits. In bf16 on a CPU with
+    AMX tiles, 5 rows take them for every product of bf16 inputs (1 row: the engram values' 4 taps)."""
+    check_pieces(model(name, dtype), rows)
+
+
+@pytest.mark.parametrize("dp", [0, 1], ids=["upcast-loads", "dot-products"])
+def test_bf16_products_without_tiles_are_eager_pieces(dp):
+    """The bf16 products' other paths at 5 rows, where this CPU would take AMX tiles: 1 the AVX512-BF16 dot products
+    alone (CPUs without tiles), 0 float32 multiply-adds on upcast loads (CPUs without bf16 units)."""
+    if dp == 1 and not kernels.bf16_path().native:
+        pytest.skip("this CPU has no bf16 dot products (avx512_bf16)")
+    check_pieces(model("published-3", ml_dtypes.bfloat16), 5, dp)
+
+
+def test_bf16_steps_on_amx_tiles_take_the_kernels_past_max_rows():
+    """Where bf16 products take AMX tiles, bf16 steps of up to TILE_MAX_ROWS rows run through the kernels (float32
+    ones up to MAX_ROWS), and 17 rows give eager's pieces: two tiles of input rows, and the engram values' 68 taps
+    in two passes over each block of weight rows."""
+    if not kernels.bf16_path().tiles:
+        pytest.skip("this CPU has no AMX tiles (amx_bf16, amx_tile)")
+    m = model("published-3", ml_dtypes.bfloat16)
+    assert cpu_decode.applies(m, cpu_decode.TILE_MAX_ROWS) and not cpu_decode.applies(m, cpu_decode.TILE_MAX_ROWS + 1)
+    assert not cpu_decode.applies(model("published-3", np.float32), cpu_decode.MAX_ROWS + 1)
+    check_pieces(m, cpu_decode.MAX_ROWS + 1)
+
+
+def check_pieces(m: SimpleAttentionNetwork, rows: int, dp: int | None = None) -> None:
+    """test_each_kernel_is_the_eager_piece's check; dp: the bf16 products' path to force (cpu_decode.Fused.dp)."""
     cfg, W = m.config, m.config.engram_history
     assert cpu_decode.applies(m, rows)
     P = 20
     prompts = prompts_for(cfg, rows, P, seed=rows)
     with torch.inference_mode():
         cache = m.new_cache(rows, P + 4, fused=True)
+        if dp is not None:
+            cache.fused.dp = dp
         m.decode_step(prompts, cache, 0)  # eager prefill
         cache.hist[:, W + P] = prompts_for(cfg, rows, 2, seed=9)[:, 1]
         hist, hist_valid = cache.hist[:, P:P + W + 1], cache.valid[:, P:P + W + 1]
@@ -191,8 +219,8 @@ def test_the_kernels_take_only_plain_cpu_steps_of_few_rows(monkeypatch):
     one), not with a projection that is not the twin's Linear (a LoRA wrapper), not with a parameter in another
     dtype; and generate(compile=True) then keeps the torch.compile step."""
     m = model("tiny", np.float32)
-    assert cpu_decode.applies(m, 1) and cpu_decode.applies(m, cpu_decode.MAX_ROWS)
-    assert not cpu_decode.applies(m, cpu_decode.MAX_ROWS + 1)
+    assert cpu_decode.applies(m, 1) and cpu_decode.applies(m, cpu_decode.max_rows(m.dtype))
+    assert not cpu_decode.applies(m, cpu_decode.max_rows(m.dtype) + 1)
     handle = m.stack.layers[1].tap_u.register_forward_hook(lambda *a: None)
     try:
         assert not cpu_decode.applies(m, 1)

@@ -628,19 +628,30 @@ def test_compile_takes_false_true_or_all(f32, fx, choice):
 # ----------------------------------------------------------------------------- bf16 products by CPU capability
 
 
-@pytest.mark.parametrize("environ,flags,aten,native,why", [
-    ({}, {"avx512_bf16", "avx2"}, "AVX512", True, "avx512_bf16 found"),
-    ({}, {"amx_bf16"}, "AVX512", True, "amx_bf16 found"),
-    ({}, {"avx2", "avx512f"}, "AVX512", False, "the CPU has none of avx512_bf16/amx_bf16"),
-    ({"ONEDNN_MAX_CPU_ISA": "avx2"}, {"avx512_bf16"}, "AVX512", False, "ONEDNN_MAX_CPU_ISA=AVX2"),
-    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, {"avx512_bf16"}, "AVX512", True, "avx512_bf16 found"),
-    ({}, {"avx512_bf16"}, "AVX2", False, "ATEN_CPU_CAPABILITY caps ATen at AVX2"),
-    ({"NEEDLE_TWIN_BF16": "upcast"}, {"avx512_bf16"}, "AVX512", False, "forced"),
-    ({"NEEDLE_TWIN_BF16": "native"}, {"avx2"}, "AVX2", True, "forced"),
+AMX = {"avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+@pytest.mark.parametrize("environ,flags,aten,native,tiles,why", [
+    ({}, {"avx512_bf16", "avx2"}, "AVX512", True, False, "avx512_bf16 found"),
+    ({}, {"amx_bf16"}, "AVX512", True, False, "amx_bf16 found"),
+    ({}, AMX, "AVX512", True, True, "avx512_bf16/amx_bf16 found"),
+    ({}, {"avx2", "avx512f"}, "AVX512", False, False, "the CPU has none of avx512_bf16/amx_bf16"),
+    ({"ONEDNN_MAX_CPU_ISA": "avx2"}, {"avx512_bf16"}, "AVX512", False, False, "ONEDNN_MAX_CPU_ISA=AVX2"),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, {"avx512_bf16"}, "AVX512", True, False, "avx512_bf16 found"),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, AMX, "AVX512", True, True, "amx_bf16 found"),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, AMX, "AVX512", True, False, "amx_bf16 found"),
+    ({}, {"avx512_bf16"}, "AVX2", False, False, "ATEN_CPU_CAPABILITY caps ATen at AVX2"),
+    ({}, AMX, "AVX2", False, False, "ATEN_CPU_CAPABILITY caps ATen at AVX2"),
+    ({"NEEDLE_TWIN_BF16": "upcast"}, AMX, "AVX512", False, False, "forced"),
+    ({"NEEDLE_TWIN_BF16": "native"}, {"avx2"}, "AVX2", True, False, "forced"),
+    ({"NEEDLE_TWIN_BF16": "native"}, AMX, "AVX512", True, True, "forced"),
 ])
-def test_the_bf16_path_follows_the_cpu_and_the_env_overrides(environ, flags, aten, native, why):
+def test_the_bf16_path_follows_the_cpu_and_the_env_overrides(environ, flags, aten, native, tiles, why):
+    """Native or upcast, and AMX tiles (the decoding kernels' products) only where the CPU has them and neither
+    ATEN_CPU_CAPABILITY nor ONEDNN_MAX_CPU_ISA caps below them; forcing the path keeps the tiles the CPU has."""
     path = kernels.decide_bf16_path(environ, flags, aten)
     assert path.native is native and why in path.reason and path.name == ("native" if native else "upcast")
+    assert path.tiles is tiles
 
 
 @pytest.fixture
