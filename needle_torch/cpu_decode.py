@@ -117,10 +117,20 @@ def _plain(model: nn.Module) -> bool:
                                        or nn.modules.module._global_forward_pre_hooks)
 
 
+def product_path(dtype: torch.dtype) -> int:
+    """How the kernels' bf16 products run here (Fused.dp): 0 float32 multiply-adds on upcast loads, 1 the CPU's
+    AVX512-BF16 dot products, 2 AMX tiles too. The dot products need the CPU's own units, whatever NEEDLE_TWIN_BF16
+    forces."""
+    path = bf16_path()
+    if dtype != torch.bfloat16 or not path.native or "avx512_bf16" not in path.features:
+        return 0
+    return 2 if path.tiles else 1
+
+
 def max_rows(dtype: torch.dtype) -> int:
-    """The most rows a step of this dtype runs through the kernels: TILE_MAX_ROWS for bf16 where its products take
-    AMX tiles (kernels.bf16_path().tiles), else MAX_ROWS."""
-    return TILE_MAX_ROWS if dtype == torch.bfloat16 and bf16_path().tiles else MAX_ROWS
+    """The most rows a step of this dtype runs through the kernels: TILE_MAX_ROWS where its products take AMX tiles
+    (product_path 2: bf16 on a CPU with them), else MAX_ROWS."""
+    return TILE_MAX_ROWS if product_path(dtype) == 2 else MAX_ROWS
 
 
 def applies(model: nn.Module, rows: int) -> bool:
@@ -178,9 +188,7 @@ def fuse(model: nn.Module, k: list[Tensor], v: list[Tensor], offsets: list[tuple
     tensors += sites + head
     P = model.config.hada_dim
     entry = float(torch.tensor(1 / math.sqrt(P), dtype=torch.float32).to(model.dtype).float())
-    path = bf16_path()  # the dot products need the CPU's own units, whatever NEEDLE_TWIN_BF16 forces
-    dp = 0 if model.dtype != torch.bfloat16 or not path.native or "avx512_bf16" not in path.features else (
-        2 if path.tiles else 1)
+    dp = product_path(model.dtype)
     cfg = model.config
     return Fused(_built[_defines(model.dtype, cfg)], layers, _table(sites), _table(head), tensors, entry, masked,
                  k[0].shape[2], dp, cfg.num_sites, cfg.d_model, cfg.vocab_size, model.dtype)
@@ -233,4 +241,4 @@ def logits(fused: Fused, lanes: Tensor) -> Tensor:
 
 
 __all__ = ["MAX_ROWS", "TILE_MAX_ROWS", "Fused", "applies", "engram", "fuse", "layer", "logits", "max_rows",
-           "run_layers"]
+           "product_path", "run_layers"]

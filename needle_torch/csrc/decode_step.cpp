@@ -22,8 +22,10 @@
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <cmath>
 #include <vector>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 using T = SCALAR;
 using Vec = at::vec::Vectorized<float>;
@@ -138,8 +140,12 @@ struct TileConfig {
 // Linux hands out AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once a
 // process; refused, the products keep rows4_dp.
 static bool amx_permitted() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
     static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     return ok;
+#else
+    return false;
+#endif
 }
 __attribute__((target("amx-tile,amx-bf16")))
 static void amx_begin() {
@@ -195,6 +201,7 @@ static void rows16_amx(const c10::BFloat16* w, const uint32_t* vn, int64_t nb, i
 }
 #endif
 
+constexpr int64_t MAX_SEGS = 8;  // the most Segs one project() call takes
 // Scratch for the AMX tiles' input layout: (I/2, nbp) words per product input, nbp = nb rounded up to 16.
 static int64_t vnni_words(int64_t nb, int64_t I) { return (nb + 15) / 16 * 16 * (I / 2); }
 
@@ -203,8 +210,8 @@ static int64_t vnni_words(int64_t nb, int64_t I) { return (nb + 15) / 16 * 16 * 
 // AMX tiles too (for the Segs of AMX_ROWS vectors or more), for the Segs that have xh; vnni: scratch for the tiles'
 // input layout, vnni_words(nb, I) words for each Seg that takes them.
 static void project(const Seg* segs, int64_t n, int64_t I, int64_t dp, uint32_t* vnni = nullptr) {
-    bool tiles[8] = {}, lays[8] = {};  // whether Seg k runs on AMX tiles, whether it lays out its input (n <= 8)
-    uint32_t* vn[8] = {};
+    bool tiles[MAX_SEGS] = {}, lays[MAX_SEGS] = {};  // whether Seg k runs on AMX tiles, whether it lays out its input
+    uint32_t* vn[MAX_SEGS] = {};
     int64_t total = 0, offset = 0;
     bool any = false;
     for (int64_t k = 0; k < n; ++k) {
@@ -574,6 +581,7 @@ extern "C" void kernel(const int64_t* table, const T* lanes, T* out, const bool*
 constexpr int64_t ORDERS[] = {ENGRAM_ORDERS};
 constexpr int64_t NO = sizeof(ORDERS) / sizeof(ORDERS[0]), E = ENGRAM_HEADS, SL = ENGRAM_SLOTS, SUB = ENGRAM_SUB;
 constexpr int64_t NT = NO * E, NS = NT * SUB, SITES = ENGRAM_SITES, TAPS = 4;
+static_assert(2 * SITES <= MAX_SEGS, "one project() call takes every site's key and value products");
 constexpr int64_t DIL = [] { int64_t m = 0; for (int64_t o : ORDERS) m = o > m ? o : m; return m; }();
 constexpr int64_t HW = TAPS * DIL + 1;  // the history window: W = 4·max(O) tokens before the newest, and it
 static_assert(NS % W == 0, "engram width N·s a multiple of the vector width");

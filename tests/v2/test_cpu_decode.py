@@ -106,8 +106,8 @@ def test_each_kernel_is_the_eager_piece(name, rows, dtype):
 def test_bf16_products_without_tiles_are_eager_pieces(dp):
     """The bf16 products' other paths at 5 rows, where this CPU would take AMX tiles: 1 the AVX512-BF16 dot products
     alone (CPUs without tiles), 0 float32 multiply-adds on upcast loads (CPUs without bf16 units)."""
-    if dp == 1 and not kernels.bf16_path().native:
-        pytest.skip("this CPU has no bf16 dot products (avx512_bf16)")
+    if dp > cpu_decode.product_path(torch.bfloat16):
+        pytest.skip(f"no bf16 dot products for the kernels here ({kernels.bf16_path()})")
     check_pieces(model("published-3", ml_dtypes.bfloat16), 5, dp)
 
 
@@ -115,8 +115,8 @@ def test_bf16_steps_on_amx_tiles_take_the_kernels_past_max_rows():
     """Where bf16 products take AMX tiles, bf16 steps of up to TILE_MAX_ROWS rows run through the kernels (float32
     ones up to MAX_ROWS), and 17 rows give eager's pieces: two tiles of input rows, and the engram values' 68 taps
     in two passes over each block of weight rows."""
-    if not kernels.bf16_path().tiles:
-        pytest.skip("this CPU has no AMX tiles (amx_bf16, amx_tile)")
+    if cpu_decode.product_path(torch.bfloat16) < 2:
+        pytest.skip(f"no AMX tiles for the kernels here ({kernels.bf16_path()})")
     m = model("published-3", ml_dtypes.bfloat16)
     assert cpu_decode.applies(m, cpu_decode.TILE_MAX_ROWS) and not cpu_decode.applies(m, cpu_decode.TILE_MAX_ROWS + 1)
     assert not cpu_decode.applies(model("published-3", np.float32), cpu_decode.MAX_ROWS + 1)
