@@ -212,6 +212,7 @@ static int64_t vnni_words(int64_t nb, int64_t I) { return (nb + 15) / 16 * 16 * 
 static void project(const Seg* segs, int64_t n, int64_t I, int64_t dp, uint32_t* vnni = nullptr) {
     bool tiles[MAX_SEGS] = {}, lays[MAX_SEGS] = {};  // whether Seg k runs on AMX tiles, whether it lays out its input
     uint32_t* vn[MAX_SEGS] = {};
+    int64_t blocks[MAX_SEGS] = {};  // Seg k's blocks of weight rows
     int64_t total = 0, offset = 0;
     bool any = false;
     for (int64_t k = 0; k < n; ++k) {
@@ -231,7 +232,8 @@ static void project(const Seg* segs, int64_t n, int64_t I, int64_t dp, uint32_t*
             }
         }
 #endif
-        total += tiles[k] ? segs[k].rows / 16 : (segs[k].rows + 3) / 4;
+        blocks[k] = tiles[k] ? segs[k].rows / 16 : (segs[k].rows + 3) / 4;
+        total += blocks[k];
     }
 #ifdef HAVE_DPBF16
     if (any) {
@@ -250,8 +252,7 @@ static void project(const Seg* segs, int64_t n, int64_t I, int64_t dp, uint32_t*
     #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < total; ++blk) {
         int64_t k = 0, o = blk;
-        while (o >= (tiles[k] ? segs[k].rows / 16 : (segs[k].rows + 3) / 4))
-            o -= tiles[k] ? segs[k].rows / 16 : (segs[k].rows + 3) / 4, ++k;
+        while (o >= blocks[k]) o -= blocks[k], ++k;
         const Seg& sg = segs[k];
 #ifdef HAVE_DPBF16
         if constexpr (!std::is_same_v<T, float>) {  // (the casts only name the type T already is here)
@@ -310,30 +311,41 @@ static void walsh(float* z, float entry) {
 #if ENTRY == 1
 // Sinkhorn over the lane routing logits z = a·R + b (N x N) of `rows` rows (R at stride rstride), 20 log-space steps
 // (rows, then columns), hres = exp(z) (N x N per row). From SINKHORN_LANES rows on, up to W rows at a time, one per
-// vector lane; below, one row in scalar code, whose exp and log cost less than the vector ones for a single row
-// (published size, one layer: 7 against 16 us at batch 1; at batch 32 the lanes take 22 against 171 us).
+// vector lane (V = Vec); below, one row in scalar code (V = float), whose exp and log cost less than the vector ones
+// for a single row (published size, one layer: 7 against 16 us at batch 1; at batch 32 the lanes take 22 against
+// 171 us).
 constexpr int64_t SINKHORN_LANES = 4;
+static inline float maximum(float a, float b) { return std::max(a, b); }
+static inline Vec maximum(Vec a, Vec b) { return at::vec::maximum(a, b); }
+static inline float exp_(float x) { return std::exp(x); }
+static inline Vec exp_(Vec x) { return x.exp(); }
+static inline float log_(float x) { return std::log(x); }
+static inline Vec log_(Vec x) { return x.log(); }
+template <class V>
+static void sinkhorn_steps(V (&zz)[N][N]) {
+    for (int it = 0; it < 20; ++it) {
+        for (int64_t i = 0; i < N; ++i) {  // rows (the last axis)
+            V m = zz[i][0], t(0);
+            for (int64_t j = 1; j < N; ++j) m = maximum(m, zz[i][j]);
+            for (int64_t j = 0; j < N; ++j) t = t + exp_(zz[i][j] - m);
+            V lse = m + log_(t);
+            for (int64_t j = 0; j < N; ++j) zz[i][j] = zz[i][j] - lse;
+        }
+        for (int64_t j = 0; j < N; ++j) {  // columns
+            V m = zz[0][j], t(0);
+            for (int64_t i = 1; i < N; ++i) m = maximum(m, zz[i][j]);
+            for (int64_t i = 0; i < N; ++i) t = t + exp_(zz[i][j] - m);
+            V lse = m + log_(t);
+            for (int64_t i = 0; i < N; ++i) zz[i][j] = zz[i][j] - lse;
+        }
+    }
+}
 static void sinkhorn_rows(const float* logits, int64_t rstride, int64_t rows, float a, const T* bias, float* hres) {
     if (rows == 1) {
         float zz[N][N];
         for (int64_t i = 0; i < N; ++i)
             for (int64_t j = 0; j < N; ++j) zz[i][j] = a * logits[i * N + j] + float(bias[i * N + j]);
-        for (int it = 0; it < 20; ++it) {
-            for (int64_t i = 0; i < N; ++i) {  // rows (the last axis)
-                float m = zz[i][0], t = 0;
-                for (int64_t j = 1; j < N; ++j) m = std::max(m, zz[i][j]);
-                for (int64_t j = 0; j < N; ++j) t += std::exp(zz[i][j] - m);
-                float lse = m + std::log(t);
-                for (int64_t j = 0; j < N; ++j) zz[i][j] -= lse;
-            }
-            for (int64_t j = 0; j < N; ++j) {  // columns
-                float m = zz[0][j], t = 0;
-                for (int64_t i = 1; i < N; ++i) m = std::max(m, zz[i][j]);
-                for (int64_t i = 0; i < N; ++i) t += std::exp(zz[i][j] - m);
-                float lse = m + std::log(t);
-                for (int64_t i = 0; i < N; ++i) zz[i][j] -= lse;
-            }
-        }
+        sinkhorn_steps(zz);
         for (int64_t i = 0; i < N; ++i)
             for (int64_t j = 0; j < N; ++j) hres[i * N + j] = std::exp(zz[i][j]);
         return;
@@ -344,22 +356,7 @@ static void sinkhorn_rows(const float* logits, int64_t rstride, int64_t rows, fl
     Vec zz[N][N];
     for (int64_t i = 0; i < N; ++i)
         for (int64_t j = 0; j < N; ++j) zz[i][j] = Vec::loadu(zt[i * N + j]);
-    for (int it = 0; it < 20; ++it) {
-        for (int64_t i = 0; i < N; ++i) {  // rows (the last axis)
-            Vec m = zz[i][0], t(0);
-            for (int64_t j = 1; j < N; ++j) m = at::vec::maximum(m, zz[i][j]);
-            for (int64_t j = 0; j < N; ++j) t = t + (zz[i][j] - m).exp();
-            Vec lse = m + t.log();
-            for (int64_t j = 0; j < N; ++j) zz[i][j] = zz[i][j] - lse;
-        }
-        for (int64_t j = 0; j < N; ++j) {  // columns
-            Vec m = zz[0][j], t(0);
-            for (int64_t i = 1; i < N; ++i) m = at::vec::maximum(m, zz[i][j]);
-            for (int64_t i = 0; i < N; ++i) t = t + (zz[i][j] - m).exp();
-            Vec lse = m + t.log();
-            for (int64_t i = 0; i < N; ++i) zz[i][j] = zz[i][j] - lse;
-        }
-    }
+    sinkhorn_steps(zz);
     for (int64_t ij = 0; ij < N * N; ++ij) zz[ij / N][ij % N].exp().store(zt[ij]);
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t ij = 0; ij < N * N; ++ij) hres[r * N * N + ij] = zt[ij][r];

@@ -10,6 +10,7 @@ import torch
 
 from needle_torch import cpu_attention, kernels
 from needle_torch.v2.model import FLASH_NEG, dot_product_attention
+from tests.kernel_builds import without_compiler
 
 # float32: the same products, summed in another order (16-lane partial sums, then across lanes): measured 1.3-5.7e-7.
 F32_REL = 1e-6
@@ -85,12 +86,7 @@ def test_a_head_dim_off_the_vector_width_keeps_the_torch_form():
 
 
 def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkeypatch):
-    def fail(*args):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(cpu_attention, "_build", fail)
-    monkeypatch.setattr(cpu_attention, "_built", {})
-    monkeypatch.setattr(cpu_attention, "_ready", {})
+    without_compiler(monkeypatch, cpu_attention)
     with pytest.warns(kernels.KernelBuildWarning, match="no C[+][+] compiler"):
         cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS)
     with warnings.catch_warnings():

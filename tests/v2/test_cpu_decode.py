@@ -26,6 +26,7 @@ from needle_torch.v2 import SimpleAttentionNetwork
 from needle_torch.v2.generate import generate
 from needle_torch.v2.lanes import rms_unit
 from needle_torch.v2.model import make_decode_mask
+from tests.kernel_builds import without_compiler
 from tests.torch_threads import torch_threads
 from tests.v2.goldens import G, assert_generated, chosen_from
 
@@ -255,12 +256,7 @@ def test_a_width_the_kernels_do_not_take_keeps_the_torch_step():
 
 def test_kernels_that_do_not_build_warn_once_and_keep_the_torch_step(monkeypatch):
     """A failed build (here: no compiler) warns once a process and answers False, so compile=True traces instead."""
-    def fail(*args):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(cpu_decode, "_build", fail)
-    monkeypatch.setattr(cpu_decode, "_built", {})
-    monkeypatch.setattr(cpu_decode, "_ready", {})
+    without_compiler(monkeypatch, cpu_decode)
     m = model("tiny", np.float32)
     with pytest.warns(kernels.KernelBuildWarning, match="CPU decoding kernels did not build .*no C[+][+] compiler"):
         assert not cpu_decode.applies(m, 1)
