@@ -56,21 +56,27 @@ def flat_lanes(x):
     return rms_unit(x.reshape(B, T, n * D))  # (B, T, n·D)
 
 
-def pre_weights(nx, phi_pre, a_pre, b_pre, pre_off):
-    """hpre (B, T, n): how much of each lane the block reads."""
-    return jax.nn.sigmoid(a_pre * (nx @ phi_pre.astype(jnp.float32)) + b_pre + pre_off)
+def project(nx, phis):
+    """nx φ for each φ of `phis` ((n·D, out) kernels, used as float32 copies), float32 (B, T, out) each: one
+    product per φ, as upstream writes them (the torch twin stacks the φ into one product; same columns)."""
+    return tuple(nx @ phi.astype(jnp.float32) for phi in phis)
 
 
-def post_weights(nx, phi_post, a_post, b_post, post_off):
-    """hpost (B, T, n): how much of the block's update each lane receives, in (0, 2)."""
-    return 2 * jax.nn.sigmoid(a_post * (nx @ phi_post.astype(jnp.float32)) + b_post + post_off)
+def pre_weights(r, a_pre, b_pre, pre_off):
+    """hpre (B, T, n) from r = nx φ_pre: how much of each lane the block reads."""
+    return jax.nn.sigmoid(a_pre * r + b_pre + pre_off)
 
 
-def res_weights(nx, phi_res, a_res, b_res):
-    """hres (B, T, n, n): the doubly stochastic lane-to-lane mixing; row i says what lane i keeps of lane j."""
-    B, T, _ = nx.shape
+def post_weights(r, a_post, b_post, post_off):
+    """hpost (B, T, n) from r = nx φ_post: how much of the block's update each lane receives, in (0, 2)."""
+    return 2 * jax.nn.sigmoid(a_post * r + b_post + post_off)
+
+
+def res_weights(r, a_res, b_res):
+    """hres (B, T, n, n) from r = nx φ_res: the doubly stochastic lane-to-lane mixing; row i says what lane i keeps
+    of lane j."""
     n = b_res.shape[-1]
-    res = (nx @ phi_res.astype(jnp.float32)).reshape(B, T, n, n)  # (B, T, n, n) row-major
+    res = r.reshape(*r.shape[:-1], n, n)  # (B, T, n, n) row-major
     return sinkhorn(a_res * res + b_res)
 
 

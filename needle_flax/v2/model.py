@@ -44,6 +44,7 @@ from needle_flax.v2.lanes import (
     lane_offsets,
     post_weights,
     pre_weights,
+    project,
     read_lanes,
     res_weights,
     rms_unit,
@@ -264,12 +265,13 @@ class MHCLayer(nn.Module):
         block = Block(self.config, name="block")
         xf = x.astype(jnp.float32)  # (B, T, n, D)
         nx = flat_lanes(x)  # (B, T, n·D)
-        hpre = pre_weights(nx, hc["phi_pre"], hc["a_pre"], hc["b_pre"], hc["pre_off"])
+        r_pre, r_post, r_res = project(nx, (hc["phi_pre"], hc["phi_post"], hc["phi_res"]))
+        hpre = pre_weights(r_pre, hc["a_pre"], hc["b_pre"], hc["pre_off"])
         u = read_lanes(hpre, xf, dt)
         # The block keeps its own residuals; subtracting u in dt is upstream's rounding path (§10.6).
         y = block(u, mask=mask, rope=rope, quant=quant, engram_kv=engram_kv, site_flags=site_flags, cache=cache) - u
-        hpost = post_weights(nx, hc["phi_post"], hc["a_post"], hc["b_post"], hc["post_off"])
-        hres = res_weights(nx, hc["phi_res"], hc["a_res"], hc["b_res"])
+        hpost = post_weights(r_post, hc["a_post"], hc["b_post"], hc["post_off"])
+        hres = res_weights(r_res, hc["a_res"], hc["b_res"])
         new_x = write_lanes(hres, xf, hpost, y, dt)
         for name, value in (("hpre", hpre), ("hpost", hpost), ("hres", hres), ("u", u), ("y", y),
                             ("state", new_x)):

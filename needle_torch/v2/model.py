@@ -50,6 +50,7 @@ from needle_torch.v2.lanes import (
     mix_out,
     post_weights,
     pre_weights,
+    project,
     res_weights,
     rms_unit,
 )
@@ -396,9 +397,10 @@ class MHCLayer(nn.Module):
         dtype = lanes.dtype
         pre_off, post_off = lane_offsets(self.layer, lanes.shape[2], lanes.device) if offsets is None else offsets
         xhat = flatten_lanes(lanes)  # (B, T, n·D) float32
-        hpre = self.tap_hpre(pre_weights(xhat, self.phi_pre.weight, self.a_pre, self.b_pre, pre_off))
-        hpost = self.tap_hpost(post_weights(xhat, self.phi_post.weight, self.a_post, self.b_post, post_off))
-        hres = self.tap_hres(res_weights(xhat, self.phi_res.weight, self.a_res, self.b_res))
+        r_pre, r_post, r_res = project(xhat, (self.phi_pre.weight, self.phi_post.weight, self.phi_res.weight))
+        hpre = self.tap_hpre(pre_weights(r_pre, self.a_pre, self.b_pre, pre_off))
+        hpost = self.tap_hpost(post_weights(r_post, self.a_post, self.b_post, post_off))
+        hres = self.tap_hres(res_weights(r_res, self.a_res, self.b_res))
         u = self.tap_u(mix_in(hpre, lanes, dtype))  # (B, T, D)
         y = self.tap_y(self.block(u, mask, rope, quant, engram, cache) - u)  # block's own residuals, then - u (§10.6)
         return self.tap_state(mix_out(hres, hpost, lanes, y, dtype))  # (B, T, n, D)

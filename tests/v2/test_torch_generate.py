@@ -37,7 +37,9 @@ torch.set_float32_matmul_precision("highest")  # float32 parity: no reduced-prec
 
 DATA = "tests/data/"
 REPO = Path(__file__).resolve().parents[2]
-COMPILED_REL = 1e-6  # compiled vs eager float32: the same ops, only fused (reduction order), measured ~2e-7
+COMPILED_REL = 2e-6  # compiled vs eager float32: the same ops, fused, sums in another order; measured up to 1.0e-6
+# (10 steps of the left-padded batch, compile="all"; 8.4e-7 before the φ products were stacked), 5x below the 1e-5
+# that cached decoding must hold against upstream
 # bf16 logits vs upstream's jit goldens: this twin is upstream's *eager* bf16 pass, so it may sit as far from the
 # jit values as upstream's own eager run does: 1.1 x the fixture's measured eager-vs-jit logits gap (abs).
 BF16_EAGER_VS_JIT = "bf16_eager_vs_scan_logits"

@@ -42,8 +42,9 @@ from needle_torch.v2 import (
     walsh_matrix,
     walsh_transform,
 )
+from needle_torch.v2 import lanes as lanes_mod
 from needle_torch.v2 import model as v2_model
-from needle_torch.v2.lanes import mix_out
+from needle_torch.v2.lanes import mix_out, project
 
 jax.config.update("jax_default_matmul_precision", "highest")
 torch.set_float32_matmul_precision("highest")  # float32 parity: no TF32 / reduced-precision passes
@@ -518,6 +519,43 @@ def test_compiled_sinkhorn_runs_over_the_tokens_and_is_the_eager_function():
     M = M.double().numpy()
     assert np.abs(M - np_sinkhorn(logits, 20)).max() <= 1e-6
     assert np.abs(M.sum(-2) - 1).max() <= 1e-6
+
+
+@pytest.mark.slow
+def test_the_compiled_sinkhorn_asks_inductor_for_a_token_major_result():
+    """Compiled for CPU the Sinkhorn's (n, n)-major steps end in inductor's stride prim, asking for (..., n, n)
+    contiguous (lanes._token_major): inside a larger graph inductor would otherwise keep its (n, n)-major layout and
+    order the lane mix that reads it lane-outermost. (A graph's own output is always laid out like eager's, so the
+    request is checked in the traced graph.) Same values as eager: the layout alone."""
+    assert lanes_mod._FORCE_STRIDE is not None  # the pinned torch has inductor's stride prim
+    logits = torch.from_numpy(np.random.default_rng(4).standard_normal((5, 7, 4, 4)) + 4 * np.eye(4)).float()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    M = torch.compile(sinkhorn, backend=backend, fullgraph=True, dynamic=False)(logits)
+    asked = [n.args[1] for n in graphs[0].graph.nodes if n.op == "call_function"
+             and "inductor_force_stride_order" in str(n.target)]
+    assert [list(a) for a in asked] == [[112, 16, 4, 1]]
+    assert (M - sinkhorn(logits)).abs().max() <= 1e-6  # float32 steps on entries <= 1: ~1e-7
+
+
+def test_the_routing_projections_are_each_phi_product_from_one_stacked_product():
+    """lanes.project: x̂ φ for each of the three φ from one product of the stacked weights, each within 1e-6 of its
+    own float64 product (float32 sums of 4·64 terms; upcast from bf16 weights too), in the order given."""
+    rng = np.random.default_rng(5)
+    xhat = rng.standard_normal((2, 3, 256))
+    phis = [rng.standard_normal((o, 256)) * 0.02 for o in (4, 4, 16)]
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = tuple(torch.from_numpy(p).to(dtype) for p in phis)
+        got = project(torch.from_numpy(xhat).float(), weights)
+        assert [g.shape for g in got] == [(2, 3, 4), (2, 3, 4), (2, 3, 16)]
+        for g, w in zip(got, weights, strict=True):
+            assert g.dtype == torch.float32
+            assert rel(g, xhat @ w.double().numpy().T) <= 1e-6
 
 
 def test_hadamard_mlp_pads_to_a_power_of_two():
