@@ -15,12 +15,6 @@ from torch import Tensor
 
 from needle_torch.kernels import as_reduction, compiling_for_cpu, matmul_nt
 
-try:  # registers inductor's stride prim (torch.ops.prims.inductor_force_stride_order): see _token_major
-    import torch._inductor.inductor_prims  # noqa: F401
-    _FORCE_STRIDE = torch.ops.prims.inductor_force_stride_order
-except (ImportError, AttributeError):  # another torch: the layout is left to inductor
-    _FORCE_STRIDE = None
-
 RMS_EPS = 1e-6
 SINKHORN_ITERS = 20  # upstream runs exactly 20; no tolerance stop
 ACT_BITS = 8  # upstream's quantize.ACT_BITS; the config's act_bits is not wired to it (§5)
@@ -71,23 +65,7 @@ def sinkhorn(logits: Tensor, iters: int = SINKHORN_ITERS) -> Tensor:
         z = z - _logsumexp(z, rows)
         z = z - _logsumexp(z, cols)
     z = z.exp()
-    return _token_major(z.movedim((0, 1), (-2, -1))) if moved else z
-
-
-def _token_major(hres: Tensor) -> Tensor:
-    """The compiled Sinkhorn's result laid out token-major, (..., n, n) contiguous, where inductor can be told so.
-
-    Left to itself inductor keeps the (n, n)-major layout of the steps above, and then orders the lane mix that reads
-    it (mix_out) lane-outermost: every token's lanes read n times, through an n-times larger buffer. Token-major,
-    the mix is one pass. The published float32 prefill of 8 prompts of 256 tokens: the layer-end kernel took
-    3.5 against 8.3 ms a layer (the mix, the residual and hpost). inductor's own stride prim, where this torch
-    has it (the layout alone: the same values)."""
-    if _FORCE_STRIDE is None:
-        return hres
-    strides = [1]
-    for size in reversed(hres.shape[1:]):
-        strides.insert(0, strides[0] * size)
-    return _FORCE_STRIDE(hres, strides)
+    return z.movedim((0, 1), (-2, -1)) if moved else z
 
 
 def lane_offsets(layer: int, lanes: int, device=None) -> tuple[Tensor, Tensor]:
@@ -104,17 +82,18 @@ def flatten_lanes(lanes: Tensor) -> Tensor:
 
 def project(xhat: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """x̂ φ for each φ of `phis` ((out, n·D) Linear weights, used as float32 copies like upstream's), float32 (B, T,
-    out) each: one product of the stacked weights (a fused multiply-and-sum for few rows under torch.compile: a
-    decode step), so x̂ is read once rather than once per φ.
+    out) each; a fused multiply-and-sum for few rows under torch.compile (a decode step).
 
-    Upstream (and the Flax twin) runs three products; each column's dot product is the same, its float32 sum
-    possibly in another order. At the published size x̂ is 16 MB of float32 per 2048 prompt tokens: the
-    compiled float32 prefill of 8 prompts of 256 tokens ran its products in 870-928 against 960-990 ms (54
-    library products fewer), 1.75-1.80 against 1.88-2.12 s in all (medians of 8, processes alternating)."""
-    sizes = [phi.shape[0] for phi in phis]
+    Eagerly one product per φ, as upstream (and the Flax twin) writes them. Compiled for CPU, one product of the
+    stacked weights, so that x̂ is read once rather than once per φ: each column's dot product is the same, its
+    float32 sum possibly in another order. At the published size x̂ is 16 MB of float32 per 2048 prompt tokens: the
+    compiled float32 prefill of 8 prompts of 256 tokens ran its products in 870-928 against 960-990 ms (54 library
+    products fewer), 1.75-1.80 against 1.88-2.12 s in all (medians of 8, processes alternating)."""
+    reduce = as_reduction(xhat.shape[:-1].numel(), xhat.device)
+    if not compiling_for_cpu(xhat.device):
+        return tuple(matmul_nt(xhat, phi, torch.float32, reduce) for phi in phis)
     stacked = torch.cat([phi.float() for phi in phis])  # (Σ out, n·D): 24 rows of 2048 at the published size
-    r = matmul_nt(xhat, stacked, torch.float32, as_reduction(xhat.shape[:-1].numel(), xhat.device))
-    return r.split(sizes, dim=-1)
+    return matmul_nt(xhat, stacked, torch.float32, reduce).split([phi.shape[0] for phi in phis], dim=-1)
 
 
 def pre_weights(r: Tensor, a: Tensor, b: Tensor, pre_off: Tensor) -> Tensor:

@@ -42,7 +42,6 @@ from needle_torch.v2 import (
     walsh_matrix,
     walsh_transform,
 )
-from needle_torch.v2 import lanes as lanes_mod
 from needle_torch.v2 import model as v2_model
 from needle_torch.v2.lanes import mix_out, project
 
@@ -522,37 +521,20 @@ def test_compiled_sinkhorn_runs_over_the_tokens_and_is_the_eager_function():
 
 
 @pytest.mark.slow
-def test_the_compiled_sinkhorn_asks_inductor_for_a_token_major_result():
-    """Compiled for CPU the Sinkhorn's (n, n)-major steps end in inductor's stride prim, asking for (..., n, n)
-    contiguous (lanes._token_major): inside a larger graph inductor would otherwise keep its (n, n)-major layout and
-    order the lane mix that reads it lane-outermost. (A graph's own output is always laid out like eager's, so the
-    request is checked in the traced graph.) Same values as eager: the layout alone."""
-    assert lanes_mod._FORCE_STRIDE is not None  # the pinned torch has inductor's stride prim
-    logits = torch.from_numpy(np.random.default_rng(4).standard_normal((5, 7, 4, 4)) + 4 * np.eye(4)).float()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    M = torch.compile(sinkhorn, backend=backend, fullgraph=True, dynamic=False)(logits)
-    asked = [n.args[1] for n in graphs[0].graph.nodes if n.op == "call_function"
-             and "inductor_force_stride_order" in str(n.target)]
-    assert [list(a) for a in asked] == [[112, 16, 4, 1]]
-    assert (M - sinkhorn(logits)).abs().max() <= 1e-6  # float32 steps on entries <= 1: ~1e-7
-
-
-def test_the_routing_projections_are_each_phi_product_from_one_stacked_product():
-    """lanes.project: x̂ φ for each of the three φ from one product of the stacked weights, each within 1e-6 of its
-    own float64 product (float32 sums of 4·64 terms; upcast from bf16 weights too), in the order given."""
+def test_the_routing_projections_are_each_phi_product_eager_and_stacked_when_compiled():
+    """lanes.project: x̂ φ for each of the three φ, in the order given, float32 whatever the weights' dtype; eagerly
+    one product per φ, compiled for CPU one product of the stacked weights (a library product at 6 rows, a
+    multiply-and-sum at 3). Each within 1e-6 of its own float64 product (float32 sums of 256 terms; bf16 weights
+    upcast exactly): a misplaced split of the stacked columns would hand hpre φ_post's or φ_res's columns."""
     rng = np.random.default_rng(5)
-    xhat = rng.standard_normal((2, 3, 256))
     phis = [rng.standard_normal((o, 256)) * 0.02 for o in (4, 4, 16)]
-    for dtype in (torch.float32, torch.bfloat16):
+    torch._dynamo.reset()
+    compiled = torch.compile(project, fullgraph=True, dynamic=False)
+    for rows, dtype, run in itertools.product((3, 6), (torch.float32, torch.bfloat16), (project, compiled)):
+        xhat = rng.standard_normal((1, rows, 256))
         weights = tuple(torch.from_numpy(p).to(dtype) for p in phis)
-        got = project(torch.from_numpy(xhat).float(), weights)
-        assert [g.shape for g in got] == [(2, 3, 4), (2, 3, 4), (2, 3, 16)]
+        got = run(torch.from_numpy(xhat).float(), weights)
+        assert [g.shape for g in got] == [(1, rows, 4), (1, rows, 4), (1, rows, 16)]
         for g, w in zip(got, weights, strict=True):
             assert g.dtype == torch.float32
             assert rel(g, xhat @ w.double().numpy().T) <= 1e-6
