@@ -572,7 +572,6 @@ def test_a_compiled_prefill_in_row_chunks_is_the_same_function_and_compiles_its_
     assert counters["stats"]["unique_graphs"] - before == 1  # the (1, P) prefill chunk, for all three
     np.testing.assert_array_equal(tokens.numpy(), g["f32/batch_tokens"])
     _, eager_logits, eager_logp = generate(f32, prompts, 10, return_logits=True, return_logprobs=True)
-    print("RELS", rel(logits[:, 0], eager_logits[:, 0]), rel(logits, eager_logits), rel(logp, eager_logp), flush=True)
     assert rel(logits[:, 0], eager_logits[:, 0]) <= COMPILED_REL  # the compiled prefill's own logits
     assert rel(logits, eager_logits) <= COMPILED_REL and rel(logp, eager_logp) <= COMPILED_REL
     assert torch.equal(generate(f32, prompts, 10, compile="all"), tokens)
