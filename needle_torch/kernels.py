@@ -1,4 +1,4 @@
-"""Torch-only speed code: bf16 products picked by CPU capability, reductions under torch.compile, compiled steps.
+"""Torch-only speed code: bf16 and float32 products picked by the CPU, reductions under torch.compile, compiled steps.
 
 Nothing here changes what a model computes, only how: a bf16 product is float32 products and
 sums rounded once to bf16 whichever kernel computes it, the reduction form equals the library
@@ -111,6 +111,93 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return a @ b
 
 
+# ----------------------------------------------------------------------------- float32 products by CPU vendor
+
+# torch's float32 products on x86 CPUs are MKL's, and MKL runs its AVX-512 kernels on Intel CPUs only (elsewhere its
+# AVX2 ones); oneDNN, also inside torch, picks its kernels by ISA alone. Measured on a 2-core Zen 4 EPYC (avx512, 2
+# threads, float32, medians of 7, MKL against oneDNN): (2048, 512) x (512, 512)ᵀ 9.3 against 6.4 ms, (2048, 512) x
+# (1536, 512)ᵀ 27.0 against 18.8 ms, (2048, 2048) x (24, 2048)ᵀ 2.8 against 1.9 ms, (32, 512) x (512, 512)ᵀ 248 against
+# 211 us, (32, 512) x (8192, 512)ᵀ 6.2 against 2.8 ms; with oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, MKL's own
+# level there) still 8.0 against 7.5 ms and 4.9 against 3.7 ms. So compiled CPU graphs route their float32 products
+# through oneDNN on CPUs that are not Intel's (onednn_linear); eager code keeps the library product. Both sum in
+# float32 (max|Δ| / max|ref| against float64: 4e-7 MKL, 1e-6 oneDNN at 512 terms): the same function up to the order
+# of the float32 sums.
+F32_PATH_ENV = "NEEDLE_TWIN_F32"  # "onednn" or "library": force a path (benchmarks and tests compare both)
+
+
+@dataclass(frozen=True)
+class F32Path:
+    """Which kernels a compiled CPU graph's float32 products take: oneDNN's matmul, or the library's (MKL)."""
+
+    onednn: bool
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return "onednn" if self.onednn else "library"
+
+    def __str__(self) -> str:
+        return f"float32 products {self.name}: {self.reason}"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def decide_f32_path(environ: Mapping[str, str], vendor: str, onednn_available: bool) -> F32Path:
+    """The rule of f32_path, given the environment, the CPU's vendor id and whether torch has oneDNN."""
+    forced = environ.get(F32_PATH_ENV, "").lower()
+    if not onednn_available:
+        return F32Path(False, "this torch has no oneDNN (torch.backends.mkldnn)")
+    if forced in ("onednn", "library"):
+        return F32Path(forced == "onednn", f"forced by {F32_PATH_ENV}={forced}")
+    if vendor in ("GenuineIntel", ""):
+        return F32Path(False, "an Intel CPU: MKL runs its widest kernels" if vendor else "the CPU's vendor is unknown")
+    return F32Path(True, f"a {vendor} CPU: MKL keeps its AVX-512 kernels for Intel's, oneDNN picks by ISA")
+
+
+@functools.cache
+def f32_path() -> F32Path:
+    """Which kernels float32 products of compiled CPU graphs take (decided once per process, before any compile):
+    oneDNN on CPUs whose vendor is not Intel, MKL (the library's product) on Intel's. NEEDLE_TWIN_F32=onednn|library
+    forces a path. Eager code and other devices always take the library product."""
+    return decide_f32_path(os.environ, cpu_vendor(), torch.backends.mkldnn.is_available())
+
+
+@torch.compiler.assume_constant_result
+def _onednn_f32() -> bool:
+    return f32_path().onednn  # a constant to torch.compile
+
+
+@torch.library.custom_op("needle_twin::onednn_linear", mutates_args=())
+def onednn_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (R, I) @ w (O, I)ᵀ (+ bias (O,)) -> (R, O), float32, through oneDNN's matmul (see F32_PATH_ENV). A custom
+    op: inductor lowers oneDNN's own linear only for frozen (constant) weights."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def linear_f32(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., I) @ w (O, I)ᵀ (+ bias) -> (..., O) for float32 operands: F.linear, or onednn_linear in a compiled CPU
+    graph where f32_path says so (inference only: the op has no backward)."""
+    if compiling_for_cpu(x.device) and _onednn_f32() and not (
+            torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return onednn_linear(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, bias)
+
+
 # ----------------------------------------------------------------------------- reductions under compile
 
 # Under torch.compile on CPU, a product with at most this many rows (a decode step's few tokens) is written
@@ -146,18 +233,23 @@ def matmul_nt(a: Tensor, b: Tensor, dtype: torch.dtype, reduce: bool = False) ->
     """
     if reduce:
         return (a.float()[..., :, None, :] * b.float()[..., None, :, :]).sum(-1).to(dtype)
+    if dtype == torch.float32 and b.dim() == 2 and compiling_for_cpu(a.device):  # a weight: see f32_path
+        return linear_f32(a.float(), b.float())
     return matmul(a.to(dtype), b.to(dtype).transpose(-1, -2))
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) whose few-row products under torch.compile are reductions and
-    whose bf16 products are upcast where the CPU has no bf16 units (bf16_path)."""
+    """nn.Linear (same parameters and state dict) whose few-row products under torch.compile are reductions, whose
+    bf16 products are upcast where the CPU has no bf16 units (bf16_path), and whose float32 products in compiled CPU
+    graphs take oneDNN where f32_path says so."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not as_reduction(x.shape[:-1].numel(), x.device):
             if upcasts(x.dtype, x.device) and self.weight.dtype == x.dtype:
                 bias = None if self.bias is None else self.bias.float()
-                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+                return linear_f32(x.float(), self.weight.float(), bias).to(x.dtype)
+            if x.dtype == torch.float32 and self.weight.dtype == x.dtype:
+                return linear_f32(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         y = matmul_nt(x[..., None, :], self.weight, torch.float32, reduce=True)[..., 0, :]  # (..., O) float32
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)

@@ -333,7 +333,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         if as_reduction(x.shape[:-1].numel(), x.device):  # reads the embedding in its own dtype, upcast in-kernel
             return self.logits_tap(matmul_nt(x, self.embedding.weight, torch.float32, reduce=True))
         weight = self.embedding.weight.float() if weight is None else weight
-        return self.logits_tap(x.float() @ weight.T)  # (B, T, V) float32, tied
+        return self.logits_tap(matmul_nt(x, weight, torch.float32))  # (B, T, V) float32, tied
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None, *, deterministic: bool = True,
                ) -> tuple[Tensor, Tensor | None]:

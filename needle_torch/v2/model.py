@@ -728,7 +728,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         otherwise against `weight`, E upcast once per request (None: E itself, a float32 model's)."""
         if as_reduction(x.shape[:-1].numel(), x.device):
             return matmul_nt(x, self.embedding.weight, torch.float32, reduce=True)
-        return x.float() @ (self.embedding.weight if weight is None else weight).float().T
+        return matmul_nt(x, self.embedding.weight if weight is None else weight, torch.float32)
 
     def generate(self, tokens: Tensor, max_new_tokens: int = 64, *, kv_window: int = 0, temperature: float = 0.0,
                  seed: int | None = None, sink: Tensor | None = None, eos_token_id: int | None = 1,
