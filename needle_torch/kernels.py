@@ -49,15 +49,23 @@ class Bf16Path:
         return f"bf16 products {self.name}: {self.reason}" + ("; AMX tiles" if self.tiles else "")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags: /proc/cpuinfo on Linux, else torch's own cpuinfo report."""
+def cpuinfo(field: str) -> str | None:
+    """The value of `field` in /proc/cpuinfo's first processor (Linux), None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags: /proc/cpuinfo on Linux, else torch's own cpuinfo report."""
+    flags = cpuinfo("flags")
+    if flags is not None:
+        return set(flags.split())
     report = getattr(torch.cpu, "get_capabilities", lambda: {})()
     return {name for name, on in report.items() if on is True}
 
@@ -140,18 +148,6 @@ class F32Path:
         return f"float32 products {self.name}: {self.reason}"
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor id from /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...); "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def decide_f32_path(environ: Mapping[str, str], vendor: str, onednn_available: bool) -> F32Path:
     """The rule of f32_path, given the environment, the CPU's vendor id and whether torch has oneDNN."""
     forced = environ.get(F32_PATH_ENV, "").lower()
@@ -169,7 +165,7 @@ def f32_path() -> F32Path:
     """Which kernels float32 products of compiled CPU graphs take (decided once per process, before any compile):
     oneDNN on CPUs whose vendor is not Intel, MKL (the library's product) on Intel's. NEEDLE_TWIN_F32=onednn|library
     forces a path. Eager code and other devices always take the library product."""
-    return decide_f32_path(os.environ, cpu_vendor(), torch.backends.mkldnn.is_available())
+    return decide_f32_path(os.environ, cpuinfo("vendor_id") or "", torch.backends.mkldnn.is_available())
 
 
 @torch.compiler.assume_constant_result
@@ -189,11 +185,17 @@ def _(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
+def takes_onednn(x: Tensor, w: Tensor) -> bool:
+    """Whether the float32 product x (..., I) @ w (O, I)ᵀ runs through onednn_linear: in a compiled CPU graph where
+    f32_path says so, for inference (the op has no backward)."""
+    return compiling_for_cpu(x.device) and _onednn_f32() and not (
+        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+
+
 def linear_f32(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., I) @ w (O, I)ᵀ (+ bias) -> (..., O) for float32 operands: F.linear, or onednn_linear in a compiled CPU
-    graph where f32_path says so (inference only: the op has no backward)."""
-    if compiling_for_cpu(x.device) and _onednn_f32() and not (
-            torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+    """x (..., I) @ w (O, I)ᵀ (+ bias) -> (..., O) for float32 operands: onednn_linear where takes_onednn, else
+    F.linear."""
+    if takes_onednn(x, w):
         return onednn_linear(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, bias)
 
@@ -233,7 +235,7 @@ def matmul_nt(a: Tensor, b: Tensor, dtype: torch.dtype, reduce: bool = False) ->
     """
     if reduce:
         return (a.float()[..., :, None, :] * b.float()[..., None, :, :]).sum(-1).to(dtype)
-    if dtype == torch.float32 and b.dim() == 2 and compiling_for_cpu(a.device):  # a weight: see f32_path
+    if dtype == torch.float32 and b.dim() == 2 and takes_onednn(a, b):  # against a weight: see f32_path
         return linear_f32(a.float(), b.float())
     return matmul(a.to(dtype), b.to(dtype).transpose(-1, -2))
 
