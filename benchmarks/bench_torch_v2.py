@@ -29,13 +29,14 @@ CPU without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), and e
 paths forced (--bf16-paths: a subset; NEEDLE_TWIN_BF16=native: library bf16 kernels, emulated where the CPU has no
 bf16 units; =upcast: float32 kernels on upcast operands), beside the path needle_torch.kernels.bf16_path() picks by
 itself. --f32-paths forces the float32 products of compiled graphs through oneDNN or the library (MKL), one
-process each, beside the path needle_torch.kernels.f32_path() picks by the CPU's vendor. --v1 adds Needle v1's torch
-cells from benchmarks/bench_generate.py (bf16 encode latency, compiled batch-1 decode end to end) on the same grid.
-Each process prints the CPU features it found and the paths that ran.
+process each, beside the path needle_torch.kernels.f32_path() picks by the CPU's vendor. --heaps kept system runs
+each cell set with glibc's heap thresholds fixed (kernels.keep_heap, what generation does) and left alone. --v1
+adds Needle v1's torch cells from benchmarks/bench_generate.py (bf16 encode latency, compiled batch-1 decode end to
+end) on the same grid. Each process prints the CPU features it found and the paths that ran.
 
 Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
        [--modes eager compiled compiled-all traced] [--bf16-paths native upcast] [--f32-paths onednn library]
-       [--no-emulate] [--v1] [--new-tokens 64]
+       [--heaps kept system] [--no-emulate] [--v1] [--new-tokens 64]
        [--prompt-len 256] [--upstream loop_b1=14.5 prefill_ms=267 ...]
 Run on an otherwise idle machine: the load average is printed before and after every process (2 shared cores:
 a busy neighbour makes multi-threaded figures meaningless).
@@ -44,6 +45,7 @@ a busy neighbour makes multi-threaded figures meaningless).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -64,7 +66,16 @@ from convert.v1.config import NEEDLE_V1_PUBLISHED, SPECIAL_IDS  # noqa: E402
 from convert.v2 import NEEDLE_V2_PUBLISHED  # noqa: E402
 from convert.v2.config import BOS_ID, FIRST_PLAIN_ID  # noqa: E402
 from needle_torch import cpu_decode  # noqa: E402
-from needle_torch.kernels import BF16_PATH_ENV, F32_PATH_ENV, bf16_path, cpu_flags, decide_bf16_path, f32_path  # noqa: E402
+from needle_torch.kernels import (  # noqa: E402
+    BF16_PATH_ENV,
+    F32_PATH_ENV,
+    HEAP_ENV,
+    bf16_path,
+    cpu_flags,
+    decide_bf16_path,
+    f32_path,
+    keep_heap,
+)
 from needle_torch.v1.generate import generate as generate_v1  # noqa: E402
 from needle_torch.v1.model import SimpleAttentionNetwork as ModelV1  # noqa: E402
 from needle_torch.v2 import SimpleAttentionNetwork  # noqa: E402
@@ -202,7 +213,7 @@ def child(args) -> None:
                             torch.backends.cpu.get_cpu_capability())
     out = {"load_before": os.getloadavg(), "path": path.name, "reason": path.reason, "auto": str(auto),
            "features": list(path.features), "capability": torch.backends.cpu.get_cpu_capability(),
-           "f32": str(f32_path()), "bandwidth": copy_bandwidth(), "cells": {}}
+           "f32": str(f32_path()), "heap": str(keep_heap()), "bandwidth": copy_bandwidth(), "cells": {}}
     for spec in args.cells.split(";"):
         if spec == "v1":
             out["cells"][spec] = run_v1(args)
@@ -241,7 +252,7 @@ def report(kind: str, res: dict, new: int) -> list[str]:
     lines = [f"\n{kind}, {path}",
              f"  CPU features {' '.join(res['features'])}; ATen {res['capability']}; copy bandwidth "
              f"{bw / 1e9:.1f} GB/s; load {res['load_before'][0]:.2f} -> {res['load_after'][0]:.2f}",
-             f"  compiled graphs' {res['f32']}",
+             f"  compiled graphs' {res['f32']}; {res['heap']}",
              f"  {'cell':<26}{'tok/s':>8}{'e2e tok/s':>11}{'prefill ms':>12}{'compile s':>11}{'of bound':>10}"
              f"{'x upstream decode':>19}{'x e2e':>8}  step"]
     for spec, c in res["cells"].items():
@@ -274,6 +285,9 @@ def main() -> None:
     parser.add_argument("--f32-paths", nargs="+", default=[""], choices=["", "onednn", "library"],
                         help="the float32 product paths of compiled graphs to force (NEEDLE_TWIN_F32), one process "
                              "each; '' (the default) leaves the choice to kernels.f32_path")
+    parser.add_argument("--heaps", nargs="+", default=["kept"], choices=["kept", "system"],
+                        help="kept: generation fixes glibc's heap thresholds (kernels.keep_heap, the default); "
+                             f"system: {HEAP_ENV}=system leaves glibc's defaults; one process each")
     parser.add_argument("--max-rows", type=int, default=None,
                         help="rows up to which compiled steps take the C++ kernels (default cpu_decode.max_rows: "
                              "MAX_ROWS, TILE_MAX_ROWS for bf16 on AMX tiles): for measuring where they stop paying")
@@ -297,12 +311,13 @@ def main() -> None:
         for dtype in args.dtype:
             paths = args.bf16_paths if dtype == "bfloat16" else [""]  # float32 takes no bf16 path
             for forced in paths:
-                for f32 in args.f32_paths:
+                for f32, heap in itertools.product(args.f32_paths, args.heaps):
                     cells = [f"{dtype},{b},{m}" for b in args.batch for m in args.modes]
                     if args.v1 and dtype == "bfloat16":
                         cells.append("v1")
                     res = spawn(cells, {**env, **({BF16_PATH_ENV: forced} if forced else {}),
-                                        **({F32_PATH_ENV: f32} if f32 else {})}, args)
+                                        **({F32_PATH_ENV: f32} if f32 else {}),
+                                        **({HEAP_ENV: "system"} if heap == "system" else {})}, args)
                     for line in report(kind, res, args.new_tokens):
                         print(line, flush=True)
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -7,6 +7,7 @@ position for prefill logits). References for the small pure functions are writte
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -17,7 +18,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+import needle_torch.v2.generate as generate_module
 from convert.errors import GenerationError
 from convert.io import read_checkpoint
 from convert.mapping import random_flax_params
@@ -744,6 +747,45 @@ def test_compiled_float32_products_take_the_path_f32_path_names(monkeypatch, for
         assert ((y.double() - want).abs() <= f32_sum_bound(x.reshape(-1, 96), w, b).view(want.shape)).all()
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_onednn_products_of_few_rows_keep_a_packed_weight_that_follows_the_parameter(monkeypatch):
+    """onednn_linear packs a parameter once for its row count and reuses the copy; after an in-place change to the
+    parameter, or at another row count, it packs anew, so a product never meets a stale weight (every one within the
+    float32 worst-case bound of float64 for the weight as it is then: a stale copy would be off by the whole
+    change); beyond PACK_MAX_ROWS rows, and for tensors that are not parameters, nothing is kept; a dead parameter's
+    copy goes with it."""
+    monkeypatch.setattr(kernels, "_PACKED", WeakIdKeyDictionary())
+    torch.manual_seed(0)
+    layer = kernels.Linear(96, 40)
+    w, b = layer.weight, layer.bias
+
+    def product(x, weight):
+        y = kernels.onednn_linear(x, weight, b)
+        want = x.double() @ weight.double().T + b.double()
+        assert ((y.double() - want).abs() <= f32_sum_bound(x, weight, b)).all()
+
+    x = torch.randn(32, 96)
+    with torch.no_grad():
+        product(x, w)
+        first = kernels._PACKED[w][3]
+        product(x, w)
+        assert kernels._PACKED[w][3] is first  # reused
+        w.mul_(-2.0).add_(0.5)  # in place: a new version
+        product(x, w)
+        second = kernels._PACKED[w][3]
+        assert second is not first
+        product(x[:20], w)  # another row count
+        assert kernels._PACKED[w][2] == 20 and kernels._PACKED[w][3] is not second
+        product(torch.randn(kernels.PACK_MAX_ROWS + 1, 96), w)
+        assert kernels._PACKED[w][2] == 20  # more rows: the plain weight, the kept copy untouched
+        plain = w.detach().clone()
+        product(x, plain)
+        assert plain not in kernels._PACKED and len(kernels._PACKED) == 1
+    del layer, w, first, second
+    gc.collect()
+    assert len(kernels._PACKED) == 0
+
+
 @pytest.mark.slow
 @OTHER_GRAPHS
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
@@ -769,3 +811,72 @@ def test_a_compiled_prefill_through_onednn_reproduces_upstreams_prefill(f32, fx,
     assert any("needle_twin.onednn_linear" in target for target in seen)
     for p in range(logits.shape[1]):
         assert rel(logits[:, p], g["f32/dec_prefill_logits"][:, p]) <= F32_REL, f"prefill position {p}"
+
+
+# ----------------------------------------------------------------------------- glibc's heap kept for reuse
+
+
+@pytest.mark.parametrize("environ, answer, kept, calls, why", [
+    ({}, 1, True, 2, "mmap threshold 32 MiB, trim threshold 2 GiB"),
+    ({kernels.HEAP_ENV: "System"}, 1, False, 0, "NEEDLE_TWIN_HEAP=system"),
+    ({}, None, False, 0, "not glibc"),
+    ({}, 0, False, 1, "refused"),
+    ({kernels.HEAP_ENV: "kept"}, 1, True, 2, "trim threshold"),  # any other value leaves the default
+])
+def test_the_heap_policy_follows_the_env_and_the_c_library(environ, answer, kept, calls, why):
+    """keep_heap's rule: fix glibc's mmap threshold, then its trim threshold (stopping at a refusal), unless
+    NEEDLE_TWIN_HEAP=system or the C library has no glibc mallopt; the reason says which."""
+    seen: list[tuple[int, int]] = []
+
+    def mallopt(param: int, value: int) -> int:
+        seen.append((param, value))
+        return answer
+
+    policy = kernels.decide_heap(environ, None if answer is None else mallopt)
+    assert policy.kept is kept and why in policy.reason
+    assert seen == [(kernels.M_MMAP_THRESHOLD, 32 << 20), (kernels.M_TRIM_THRESHOLD, 2**31 - 1)][:calls]
+
+
+HEAP_PROCESS = """
+import os, sys, torch
+from needle_torch import kernels
+policy = kernels.keep_heap()
+page = os.sysconf("SC_PAGE_SIZE")
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+before = resident()
+blocks = [torch.ones(10 << 18) for _ in range(40)]  # 40 blocks of 10 MiB, every page touched (a K/V cache's)
+held = resident() - before
+del blocks
+print(policy.kept, held, resident() - before)
+"""
+
+
+@pytest.mark.skipif(kernels._glibc_mallopt() is None, reason="glibc only: elsewhere keep_heap is a no-op")
+@pytest.mark.parametrize("setting", ["kept", "system"])
+def test_freed_blocks_stay_in_the_process_exactly_when_the_heap_is_kept(setting):
+    """The thresholds take effect in glibc: in a fresh process that frees 400 MiB of 10 MiB blocks, the memory stays
+    resident (for the next request) with keep_heap's thresholds, and goes back to the system with glibc's own
+    (NEEDLE_TWIN_HEAP=system), whose first threshold mmaps such blocks and unmaps them when freed. Bounds: 90 % and
+    10 % of what the blocks held (the interpreter's own allocations meanwhile are a few pages)."""
+    env = {**os.environ, kernels.HEAP_ENV: setting}
+    done = subprocess.run([sys.executable, "-c", HEAP_PROCESS], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kept, held, after = done.stdout.split()
+    assert kept == str(setting == "kept") and int(held) >= 400 << 20
+    if setting == "kept":
+        assert int(after) >= 0.9 * int(held)
+    else:
+        assert int(after) <= 0.1 * int(held)
+
+
+def test_cpu_generation_keeps_the_heap(f32, fx, monkeypatch):
+    """Both generation loops call keep_heap on CPU, before the request allocates its cache."""
+    calls: list[str] = []
+    monkeypatch.setattr(generate_module, "keep_heap", lambda: calls.append("kept"))
+    prompts = fx["g"]["batch_prompts"]
+    generate(f32, prompts, 1)
+    generate_recompute(f32, prompts, 1)
+    assert calls == ["kept", "kept"]
