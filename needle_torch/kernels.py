@@ -370,6 +370,12 @@ def _glibc_mallopt() -> Callable[[int, int], int] | None:
         return None
 
 
+def keep_heap_for(device: torch.device) -> None:
+    """keep_heap() where `device` is the CPU (generation's entry points call this); nothing for other devices."""
+    if device.type == "cpu":
+        keep_heap()
+
+
 @functools.cache
 def keep_heap() -> HeapPolicy:
     """Fix glibc's mmap and trim thresholds for this process, once (see HEAP_ENV above): CPU generation calls it, so

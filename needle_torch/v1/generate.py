@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from convert.generation import check_generate_args
-from needle_torch.kernels import CompiledStep, keep_heap
+from needle_torch.kernels import CompiledStep, keep_heap_for
 from needle_torch.layers import make_causal_mask, make_padding_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
@@ -73,8 +73,7 @@ def _prepare(model: nn.Module, src, src_mask, max_new_tokens: int, eos_token_id:
     without dropout whatever the model's mode, as Flax's generate."""
     suppress = check_generate_args(model.config, src, src_mask, max_new_tokens, eos_token_id, pad_token_id,
                                    suppress_tokens)
-    if model.device.type == "cpu":
-        keep_heap()  # requests reuse the memory earlier ones freed (kernels.HEAP_ENV)
+    keep_heap_for(model.device)  # on CPU, requests reuse the memory earlier ones freed (kernels.HEAP_ENV)
     src = torch.as_tensor(src, device=model.device)
     src_mask = make_padding_mask(src, pad_token_id) if src_mask is None else torch.as_tensor(src_mask,
                                                                                             device=model.device)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
 from needle_torch import cpu_decode
-from needle_torch.kernels import CompiledStep, keep_heap, prefill_rows
+from needle_torch.kernels import CompiledStep, keep_heap_for, prefill_rows
 from needle_torch.layers import make_causal_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
@@ -148,8 +148,7 @@ def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, sink, temperat
     B, P = prompts.shape
     G = int(max_new_tokens)
     device = model.device
-    if device.type == "cpu":
-        keep_heap()  # requests reuse the memory earlier ones freed (kernels.HEAP_ENV)
+    keep_heap_for(device)  # on CPU, requests reuse the memory earlier ones freed (kernels.HEAP_ENV)
     valid = torch.from_numpy(prompt_validity(prompts, pad_token_id)).to(device)
     valid = F.pad(valid, (0, G), value=True)  # (B, M): every generated position is valid
     if sink is not None:

@@ -875,8 +875,18 @@ def test_freed_blocks_stay_in_the_process_exactly_when_the_heap_is_kept(setting)
 def test_cpu_generation_keeps_the_heap(f32, fx, monkeypatch):
     """Both generation loops call keep_heap on CPU, before the request allocates its cache."""
     calls: list[str] = []
-    monkeypatch.setattr(generate_module, "keep_heap", lambda: calls.append("kept"))
+    monkeypatch.setattr(generate_module, "keep_heap_for", lambda device: calls.append(device.type))
     prompts = fx["g"]["batch_prompts"]
     generate(f32, prompts, 1)
     generate_recompute(f32, prompts, 1)
-    assert calls == ["kept", "kept"]
+    assert calls == ["cpu", "cpu"]
+
+
+def test_keep_heap_for_acts_on_the_cpu_only(monkeypatch):
+    """The device check both families' loops share: keep_heap for the CPU, nothing for another device."""
+    calls: list[str] = []
+    monkeypatch.setattr(kernels, "keep_heap", lambda: calls.append("kept"))
+    kernels.keep_heap_for(torch.device("meta"))
+    assert calls == []
+    kernels.keep_heap_for(torch.device("cpu"))
+    assert calls == ["kept"]
