@@ -331,6 +331,10 @@ def prefill_rows(batch: int, length: int, device: torch.device) -> int:
 # GLIBC_TUNABLES) 4-16 thousand faults, 0.2 s, 9.4-9.5 s. So a CPU generation fixes them once per process (mallopt),
 # as a caching allocator would: the process keeps what it freed below 2 GiB for reuse instead of returning it (its
 # resident size stays at its peak). Blocks above MMAP_THRESHOLD (the most mallopt takes) are still mmapped afresh.
+# Whole benchmark runs cannot tell the two policies apart on that VM: benchmarks/bench_torch_v2.py --heaps, three pairs
+# of processes in both orders, float32 batch 32 compile="all", 232.6 / 199.1 / 201.5 tok/s end to end kept against
+# 192.2 / 211.6 / 204.8 with glibc's defaults, batch-1 prefills 249 / 155 / 236 against 174 / 204 / 161 ms: within the
+# host's noise both ways. The default rests on the fault and system-time counts above.
 HEAP_ENV = "NEEDLE_TWIN_HEAP"  # "system": leave glibc's thresholds as they are
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
