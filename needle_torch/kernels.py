@@ -334,7 +334,10 @@ def prefill_rows(batch: int, length: int, device: torch.device) -> int:
 # Whole benchmark runs cannot tell the two policies apart on that VM: benchmarks/bench_torch_v2.py --heaps, three pairs
 # of processes in both orders, float32 batch 32 compile="all", 232.6 / 199.1 / 201.5 tok/s end to end kept against
 # 192.2 / 211.6 / 204.8 with glibc's defaults, batch-1 prefills 249 / 155 / 236 against 174 / 204 / 161 ms: within the
-# host's noise both ways. The default rests on the fault and system-time counts above.
+# host's noise both ways. Its bf16 batch-1 cells were slower kept in both pairs timed (prefill 200 / 166 against 120 /
+# 120 ms), but timed alone in fresh processes alternating (2nd-4th requests) they overlap: compile=True prefill 262-417
+# against 272-426 ms, steps 3.95-4.50 against 3.84-4.93 ms; compile="all" 151-218 against 128-171 ms, steps 4.09-4.97
+# against 4.02-4.80 ms; 2-8 faults a request either way. The default rests on the fault and system-time counts above.
 HEAP_ENV = "NEEDLE_TWIN_HEAP"  # "system": leave glibc's thresholds as they are
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
