@@ -36,6 +36,7 @@ from needle_torch.kernels import (
     matmul_nt,
     reduces_when_compiled,
     repeated_region,
+    shared_input,
     upcasts,
 )
 from needle_torch.layers import Tap, ZCRMSNorm, apply_rope, make_attention_mask, make_causal_mask, precompute_rope_freqs
@@ -288,9 +289,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, K, h = self.num_heads, self.num_kv_heads, self.head_dim
         x = aq(x, quant)
-        q = self.q_proj(x).view(B, T, H, h).transpose(1, 2)  # (B, H, T, h)
-        k = self.k_proj(x).view(B, T, K, h).transpose(1, 2)  # (B, K, T, h)
-        v = self.v_proj(x).view(B, T, K, h).transpose(1, 2)  # (B, K, T, h)
+        # the four projections of x: one product of their stacked weights where that pays (kernels.shared_input)
+        q, k, v, gate = shared_input(x, (self.q_proj, self.k_proj, self.v_proj, self.gate_proj))
+        q = q.reshape(B, T, H, h).transpose(1, 2)  # (B, H, T, h)
+        k = k.reshape(B, T, K, h).transpose(1, 2)  # (B, K, T, h)
+        v = v.reshape(B, T, K, h).transpose(1, 2)  # (B, K, T, h)
         q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, *rope).to(q.dtype)  # RoPE in float32 (the f32 tables promote), cast back like upstream
         k = apply_rope(k, *rope).to(k.dtype)
@@ -298,7 +301,7 @@ class Attention(nn.Module):
             k, v = write_kv(cache, k, v)  # (B, K, M or pos + T, h)
         out = dot_product_attention(q, k, v, mask, self.flash)  # (B, H, T, h)
         out = out.transpose(1, 2).reshape(B, T, H * h)  # (B, T, A)
-        out = aq(out * sigmoid(self.gate_proj(x)), quant)  # f32 out (bf16 non-flash) promotes, as upstream
+        out = aq(out * sigmoid(gate), quant)  # f32 out (bf16 non-flash) promotes, as upstream
         return self.out_proj(out.to(self.out_proj.weight.dtype))
 
 

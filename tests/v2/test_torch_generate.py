@@ -760,7 +760,7 @@ def test_onednn_products_of_few_rows_keep_a_packed_weight_that_follows_the_param
     w, b = layer.weight, layer.bias
 
     def product(x, weight):
-        y = kernels.onednn_linear(x, weight, b)
+        y = kernels.onednn_linear(x, [weight], b)
         want = x.double() @ weight.double().T + b.double()
         assert ((y.double() - want).abs() <= f32_sum_bound(x, weight, b)).all()
 
@@ -784,6 +784,88 @@ def test_onednn_products_of_few_rows_keep_a_packed_weight_that_follows_the_param
     del layer, w, first, second
     gc.collect()
     assert len(kernels._PACKED) == 0
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_a_stack_of_weights_is_packed_once_and_renewed_when_any_of_them_changes(monkeypatch):
+    """onednn_linear over several weights multiplies by their stack along the output axis: x @ [w1; w2; w3]ᵀ, within
+    the float32 worst-case bound of float64. The packed stack is kept under its first parameter and reused; an
+    in-place change to a later one, or another parameter in its place (even one on the same storage at the same
+    version), packs anew (a stale stack would be off by the whole change); a stack with a non-parameter is stacked
+    afresh, nothing kept."""
+    monkeypatch.setattr(kernels, "_PACKED", WeakIdKeyDictionary())
+    torch.manual_seed(1)
+    ws = [torch.nn.Parameter(torch.randn(o, 96)) for o in (40, 24, 8)]
+    x = torch.randn(32, 96)
+
+    def product(weights):
+        y = kernels.onednn_linear(x, weights)
+        stack = torch.cat([w.detach() for w in weights])
+        assert y.shape == (32, 72)
+        assert ((y.double() - x.double() @ stack.double().T).abs() <= f32_sum_bound(x, stack, None)).all()
+
+    with torch.no_grad():
+        product(ws)
+        first = kernels._PACKED[ws[0]][3]
+        product(ws)
+        assert kernels._PACKED[ws[0]][3] is first and len(kernels._PACKED) == 1  # reused, kept under ws[0] only
+        ws[2].mul_(3.0)  # the last one changes in place
+        product(ws)
+        second = kernels._PACKED[ws[0]][3]
+        assert second is not first
+        other = torch.nn.Parameter(ws[1].detach().clone() - 1.0)  # another parameter in the middle
+        product([ws[0], other, ws[2]])
+        assert kernels._PACKED[ws[0]][3] is not second
+        third = kernels._PACKED[ws[0]][3]
+        alias = torch.nn.Parameter(other.detach())  # another object on the same storage, at the same version
+        assert alias.data_ptr() == other.data_ptr() and alias._version == other._version
+        product([ws[0], alias, ws[2]])
+        assert kernels._PACKED[ws[0]][3] is not third and kernels._PACKED[ws[0]][1][0]() is alias
+        product([ws[0], ws[1].detach().clone(), ws[2]])  # not all parameters: nothing kept or replaced
+        assert kernels._PACKED[ws[0]][1][0]() is alias
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("case", ["stacked", "eager", "few rows", "many rows", "hooked", "biased", "not ours"])
+def test_projections_of_one_input_share_one_product_only_where_it_applies(monkeypatch, case):
+    """kernels.shared_input: in a compiled CPU graph whose float32 products take oneDNN (forced), 5-64 rows and bare
+    Linear layers, one onednn_linear over the stacked weights; eagerly, at <= REDUCE_MAX_ROWS rows (reductions),
+    above PACK_MAX_ROWS, with a forward hook on a layer (called, as a parity probe needs), a bias, or a layer that is
+    not this package's Linear (as a LoRA wrapper), each layer's own call. Every output is its layer's product,
+    within the float32 worst-case bound of float64."""
+    monkeypatch.setattr(kernels, "_onednn_f32", lambda: True)
+    torch.manual_seed(2)
+    layers = [kernels.Linear(96, o, bias=False) for o in (64, 32, 32, 64)]
+    rows = {"few rows": kernels.REDUCE_MAX_ROWS, "many rows": kernels.PACK_MAX_ROWS + 1}.get(case, 32)
+    hooked: list[int] = []
+    if case == "hooked":
+        layers[2].register_forward_hook(lambda module, args, out: hooked.append(out.shape[-1]))
+    if case == "biased":
+        layers[1] = kernels.Linear(96, 32)
+    if case == "not ours":
+        layers[3] = torch.nn.Linear(96, 64, bias=False)
+    x = torch.randn(2, rows // 2, 96) if rows % 2 == 0 else torch.randn(1, rows, 96)  # (B, T, I): B·T rows
+    seen: list[str] = []
+
+    def backend(gm, inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._inductor.compile(gm, inputs)
+
+    def run(x):
+        return kernels.shared_input(x, layers)
+
+    with torch.no_grad():
+        got = run(x) if case == "eager" else torch.compile(run, backend=backend, fullgraph=True)(x)
+    calls = sum("needle_twin.onednn_linear" in t for t in seen)
+    expected = {"stacked": 1, "eager": 0, "few rows": 0, "many rows": 4, "hooked": 4, "biased": 4,
+                "not ours": 3}[case]
+    assert calls == expected, (case, seen)
+    if case == "hooked":
+        assert hooked == [32]
+    for y, layer in zip(got, layers, strict=True):
+        want = x.double() @ layer.weight.double().T + (0 if layer.bias is None else layer.bias.double())
+        bound = f32_sum_bound(x.reshape(-1, 96), layer.weight, layer.bias).view(want.shape)
+        assert y.dtype == torch.float32 and ((y.double() - want).abs() <= bound).all()
 
 
 @pytest.mark.slow
