@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from needle_torch.kernels import Linear, bf16_path, build_once
+from needle_torch.kernels import bare_linear, bf16_path, build_once, hooked
 
 # The most rows a step runs through the kernels; more keep the torch.compile step (see the module docstring). Where
 # bf16 products run on AMX tiles the kernels stay ahead of it up to batch 32: TILE_MAX_ROWS (max_rows).
@@ -116,14 +116,11 @@ def _plain(model: nn.Module) -> bool:
     parameters in the model's dtype, flash attention."""
     parts = (model.embedding, model.engrams, model.stack)
     for module in (m for part in parts for m in part.modules()):
-        if module._forward_hooks or module._forward_pre_hooks:
-            return False
-        if isinstance(module, nn.Linear) and (type(module) is not Linear or module.bias is not None):
+        if hooked(module) or (isinstance(module, nn.Linear) and not bare_linear(module)):
             return False
     if any(p.dtype != model.dtype or not p.is_contiguous() for part in parts for p in part.parameters()):
         return False
-    return model.config.flash and not (nn.modules.module._global_forward_hooks
-                                       or nn.modules.module._global_forward_pre_hooks)
+    return model.config.flash and not hooked()
 
 
 def product_path(dtype: torch.dtype) -> int:

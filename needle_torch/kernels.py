@@ -198,15 +198,19 @@ def packed_weight(ws: Tensor | Sequence[Tensor], rows: int) -> Tensor:
     ws = (ws,) if isinstance(ws, Tensor) else tuple(ws)
     if rows > PACK_MAX_ROWS or not all(
             isinstance(w, nn.Parameter) and not w.is_inference() and w.is_contiguous() for w in ws):
-        return ws[0].contiguous() if len(ws) == 1 else torch.cat([w.detach() for w in ws])
+        return _stack(ws)
     stamp = tuple((w._version, w.data_ptr()) for w in ws)
     kept = _PACKED.get(ws[0])
     if (kept is None or kept[0] != stamp or kept[2] != rows
             or any(ref() is not w for ref, w in zip(kept[1], ws[1:], strict=True))):
-        stacked = ws[0].detach() if len(ws) == 1 else torch.cat([w.detach() for w in ws])
         kept = _PACKED[ws[0]] = (stamp, tuple(weakref.ref(w) for w in ws[1:]), rows,
-                                 torch.ops.mkldnn._reorder_linear_weight(stacked, rows))
+                                 torch.ops.mkldnn._reorder_linear_weight(_stack(ws), rows))
     return kept[3]
+
+
+def _stack(ws: tuple[Tensor, ...]) -> Tensor:
+    """The weights stacked along the output axis, contiguous (one weight: itself, no copy where it is contiguous)."""
+    return ws[0].detach().contiguous() if len(ws) == 1 else torch.cat([w.detach() for w in ws])
 
 
 @torch.library.custom_op("needle_twin::onednn_linear", mutates_args=())
@@ -295,11 +299,22 @@ class Linear(nn.Linear):
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
 
+def hooked(module: nn.Module | None = None) -> bool:
+    """Whether calls run forward hooks: `module`'s own, or (None) global ones on every module. A parity probe
+    records through them, so code that skips a module's call must not skip its hooks."""
+    if module is None:
+        return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def bare_linear(module: nn.Module) -> bool:
+    """Whether `module` is this package's Linear without a bias (not nn.Linear, not a LoRA wrapper)."""
+    return type(module) is Linear and module.bias is None
+
+
 def _bare(layer: nn.Module) -> bool:
-    """Whether calling `layer` is just its Linear product: this module's Linear, no bias, no hooks (a parity probe
-    records through them; a LoRA wrapper is another type)."""
-    return (type(layer) is Linear and layer.bias is None and not (layer._forward_hooks or layer._forward_pre_hooks)
-            and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks))
+    """Whether calling `layer` is just its product: a bare_linear without hooks of any kind."""
+    return bare_linear(layer) and not hooked(layer) and not hooked()
 
 
 # Projections that read the same input (the attention's q, k, v and gate) run as one oneDNN product against their
@@ -315,7 +330,7 @@ def shared_input(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
     take onednn_linear against a packed weight (a compiled CPU step of at most PACK_MAX_ROWS rows, more than
     REDUCE_MAX_ROWS) and every layer is a bare Linear (_bare); else each layer's own call."""
     rows = x.shape[:-1].numel()
-    if (x.dtype == torch.float32 and REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS and compiling_for_cpu(x.device)
+    if (x.dtype == torch.float32 and REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS
             and all(_bare(layer) and layer.weight.dtype == torch.float32 and takes_onednn(x, layer.weight)
                     for layer in layers)):
         ws = [layer.weight for layer in layers]
