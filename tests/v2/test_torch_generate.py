@@ -30,6 +30,7 @@ from convert.v2.generation import prompt_validity
 from needle_torch import cpu_attention, cpu_decode, kernels
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2 import SimpleAttentionNetwork, engram_masks
+from needle_torch.v2 import model as v2_model
 from needle_torch.v2.engram import engram_history_masks
 from needle_torch.v2.generate import generate, generate_recompute, pick
 from needle_torch.v2.model import make_decode_mask
@@ -255,6 +256,22 @@ def test_cached_equals_recompute_at_every_step_on_random_models(name):
     for k in range(14):
         assert rel(logits_c[:, k], logits_r[:, k]) <= F32_REL, f"step {k}"
     assert rel(logp_c, logp_r) <= F32_REL
+
+
+def test_prompts_longer_than_a_query_block_decode_as_the_recompute_loop():
+    """Prompts of more than model.QUERY_BLOCK tokens: the cached prefill's attention runs in query blocks over
+    the earlier keys only (cpu_prefill_blocks); its logits at every step stay within the float32 budget of the
+    recompute loop's, left-padded rows included."""
+    config = TransformerConfig(max_seq_len=96, dtype="float32", **RANDOM_CONFIGS["gqa-3lanes-1site-orders234"])
+    model = SimpleAttentionNetwork.from_flax(random_flax_params(config, seed=7, std=0.2, groups=()), config)
+    prompts = left_padded(config.vocab_size, [80, 47], seed=5)
+    assert prompts.shape[1] > 2 * v2_model.QUERY_BLOCK
+    kw = dict(return_logits=True, eos_token_id=None, temperature=5.0, seed=0)
+    tokens_c, logits_c = generate(model, prompts, 6, **kw)
+    tokens_r, logits_r = generate_recompute(model, prompts, 6, **kw)
+    assert torch.equal(tokens_c, tokens_r)
+    for k in range(6):
+        assert rel(logits_c[:, k], logits_r[:, k]) <= F32_REL, f"step {k}"
 
 
 def test_a_left_padded_row_decodes_as_it_does_alone():
