@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from convert.errors import ConfigError
 from convert.v2.config import TransformerConfig
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, GROUPS
-from needle_torch import cpu_attention, cpu_decode
+from needle_torch import cpu_attention, cpu_decode, cpu_hadamard
 from needle_torch.kernels import (
     Linear,
     as_reduction,
@@ -347,6 +347,8 @@ class HadamardMLP(nn.Module):
         self.d3 = nn.Parameter(torch.full((P,), 0.02))
 
     def forward(self, x: Tensor) -> Tensor:
+        if cpu_hadamard.applies(x, self.d1):  # compiled CPU graphs of many float32 rows: the C++ kernel
+            return cpu_hadamard.mlp(x, self.d1, self.d2, self.d3)
         x = F.pad(x, (0, self.d1.shape[0] - self.d_model))  # (B, T, P), zeros past D
         z = walsh_transform(self.d1 * x)
         z = walsh_transform(silu(self.d2 * z))

@@ -1,0 +1,96 @@
+"""The C++ Hadamard MLP (needle_torch/cpu_hadamard.py) against the twin's own HadamardMLP, which the Needle 2 goldens
+pin to upstream's (tests/v2/test_torch_model.py): float32 rows, the Walsh products as butterflies."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from convert.v2.config import NEEDLE_V2_PUBLISHED
+from needle_torch import cpu_hadamard, kernels
+from needle_torch.v2.model import HadamardMLP
+from tests.kernel_builds import without_compiler
+
+# float32: the same terms of each Walsh product summed in another order (butterflies against a dense product, one
+# multiply by H_P's entry at the end): measured 3.0-4.7e-7 of the largest output.
+F32_REL = 1e-6
+CPU = torch.device("cpu")
+
+
+def mlp(d_model: int, seed: int = 0) -> HadamardMLP:
+    m = HadamardMLP(dataclasses.replace(NEEDLE_V2_PUBLISHED, d_model=d_model, num_heads=1, num_kv_heads=1))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.mark.parametrize("d_model", [512, 48])  # the published width (P = D), and P = 64 > D = 48 (padded)
+def test_the_kernel_is_the_twins_hadamard_mlp(d_model):
+    m = mlp(d_model)
+    P = m.d1.shape[0]
+    cpu_hadamard.prepare(d_model, P, torch.float32, CPU)
+    x = torch.randn(37, d_model, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = m(x)  # eager: the dense Walsh product
+        out = cpu_hadamard.hadamard_mlp(x, m.d1, m.d2, m.d3)
+    assert out.shape == ref.shape == x.shape and out.dtype == torch.float32
+    assert (out - ref).abs().max() / ref.abs().max() <= F32_REL
+
+
+def test_compiled_graphs_of_many_float32_rows_call_the_kernel():
+    """Under torch.compile, HadamardMLP of more than REDUCE_MAX_ROWS float32 rows calls the op (the same values as
+    eager); fewer rows, bf16, eager code and a graph that records gradients keep the torch form."""
+    m = mlp(48)
+    cpu_hadamard.prepare(48, 64, torch.float32, CPU)
+    calls = []
+    real = cpu_hadamard._built[cpu_hadamard._key(48, 64)]
+    kernels_ = {cpu_hadamard._key(48, 64): lambda *a: (calls.append(a[5]), real(*a))}
+    x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = m(x)
+        assert calls == []  # eager: the torch form
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_hadamard, "_built", kernels_)
+            torch._dynamo.reset()
+            out = torch.compile(m, fullgraph=True, dynamic=False)(x)
+            assert calls == [10]  # one call over the 2 x 5 rows
+            few = torch.compile(m, fullgraph=True, dynamic=False)(x[:1, :kernels.REDUCE_MAX_ROWS])
+            assert calls == [10]
+    assert (out - ref).abs().max() / ref.abs().max() <= F32_REL
+    assert (few - ref[:1, :kernels.REDUCE_MAX_ROWS]).abs().max() / ref.abs().max() <= F32_REL
+    assert not cpu_hadamard.applies(x, m.d1)  # not compiling
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_hadamard, "compiling_for_cpu", lambda device: True)
+        with torch.no_grad():
+            assert cpu_hadamard.applies(x, m.d1)
+            assert not cpu_hadamard.applies(x[:1, :kernels.REDUCE_MAX_ROWS], m.d1)
+            assert not cpu_hadamard.applies(x.to(torch.bfloat16), m.d1.to(torch.bfloat16))
+        with torch.enable_grad():
+            assert not cpu_hadamard.applies(x, m.d1)  # the op has no backward
+
+
+def test_a_width_off_the_vector_width_builds_no_kernel(monkeypatch):
+    builds = []
+    monkeypatch.setattr(cpu_hadamard, "_build", lambda *key: builds.append(key))
+    monkeypatch.setattr(cpu_hadamard, "_built", {})
+    monkeypatch.setattr(cpu_hadamard, "_ready", {})
+    cpu_hadamard.prepare(40, 64, torch.float32, CPU)  # D = 40: not a multiple of 16
+    cpu_hadamard.prepare(48, 64, torch.bfloat16, CPU)  # float32 only
+    assert builds == []
+    cpu_hadamard.prepare(48, 64, torch.float32, CPU)
+    assert builds == [(48, 64)]
+
+
+def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkeypatch):
+    without_compiler(monkeypatch, cpu_hadamard)
+    with pytest.warns(kernels.KernelBuildWarning, match="no C[+][+] compiler"):
+        cpu_hadamard.prepare(48, 64, torch.float32, CPU)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu_hadamard.prepare(48, 64, torch.float32, CPU)  # tried once a process
+    assert cpu_hadamard._ready == {cpu_hadamard._key(48, 64): False}
