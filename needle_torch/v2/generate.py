@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
-from needle_torch import cpu_decode, cpu_hadamard
+from needle_torch import cpu_decode, cpu_hadamard, cpu_sinkhorn
 from needle_torch.kernels import CompiledStep, keep_heap_for, prefill_rows
 from needle_torch.layers import make_causal_mask
 
@@ -239,7 +239,8 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     G, device = int(max_new_tokens), model.device
     fused = step_compiled and cpu_decode.applies(model, B)  # the C++ layer kernel instead of torch.compile
     traced = step_compiled and not fused
-    if traced or prefill_compiled:  # the Hadamard MLP kernel those graphs call (float32 CPU)
+    if traced or prefill_compiled:  # the kernels those graphs call (CPU: the Sinkhorn; float32: the Hadamard MLP)
+        cpu_sinkhorn.prepare(model.config.mhc_lanes, device)
         cpu_hadamard.prepare(model.config.d_model, model.config.hada_dim, model.dtype, device)
     cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=traced, fused=fused)
     prefill = prefill_in_chunks(model, prompts, cache, prefill_compiled)  # (B, V) float32: chooses token 0
