@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import build_once
+from needle_torch.kernels import build_once, cpp_kernel
 
 # Rows x kv heads from which a compiled step calls the kernel instead of fusing the attention into the layer (batch 8
 # at the published size's 4 kv heads; batch 4 measured even).
@@ -46,13 +46,10 @@ def takes(units: int) -> bool:
 
 
 def _build(dtype: torch.dtype, group: int, head: int):
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
     scalar = _SCALARS[dtype]
-    defines = f"#define SCALAR {scalar}\n#define GROUP {group}\n#define HEAD {head}\n"
     argtypes = ["const float*", f"const {scalar}*", f"const {scalar}*", "const bool*", f"{scalar}*", "int64_t",
                 "int64_t", "int64_t", "float", "float"]
-    return CppPythonBindingsCodeCache.load_pybinding(argtypes, defines + _SOURCE.read_text())
+    return cpp_kernel(_SOURCE, (("SCALAR", scalar), ("GROUP", group), ("HEAD", head)), argtypes)
 
 
 def prepare(dtype: torch.dtype, group: int, head: int, device: torch.device, units: int) -> None:

@@ -38,7 +38,6 @@ same runs, the host's drift between processes). The sums are the same in either 
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from needle_torch.kernels import bare_linear, bf16_path, build_once, hooked
+from needle_torch.kernels import bare_linear, bf16_path, build_once, cpp_kernel, hooked, walsh_entry
 
 # The most rows a step runs through the kernels; more keep the torch.compile step (see the module docstring). Where
 # bf16 products run on AMX tiles the kernels stay ahead of it up to batch 32: TILE_MAX_ROWS (max_rows).
@@ -74,31 +73,28 @@ _ARGTYPES = {
     ENGRAM: ["const int64_t*", "const int64_t*", "const bool*", "float*", "T*", "int64_t", "int64_t"],
     HEAD: ["const int64_t*", "const T*", "float*", "int64_t", "int64_t", "int64_t"],
 }
-_built: dict[str, object] = {}
-_ready: dict[str, bool] = {}
+_built: dict[tuple, object] = {}  # _defines(dtype, config) -> the three kernels
+_ready: dict[tuple, bool] = {}
 
 
-def _defines(dtype: torch.dtype, config) -> str:
-    return "".join(f"#define {name} {value}\n" for name, value in (
+def _defines(dtype: torch.dtype, config) -> tuple[tuple[str, object], ...]:
+    return (
         ("SCALAR", _SCALARS[dtype]), ("LANES", config.mhc_lanes), ("DMODEL", config.d_model),
         ("ATTN", config.attn_dim), ("HEADS", config.num_heads), ("KVHEADS", config.num_kv_heads),
         ("HEAD", config.head_dim), ("HADA", config.hada_dim),
         ("ENGRAM_ORDERS", ", ".join(str(o) for o in config.engram_orders)),
         ("ENGRAM_HEADS", config.engram_heads_resolved), ("ENGRAM_SLOTS", config.engram_slots),
-        ("ENGRAM_SUB", config.engram_sub_dim), ("ENGRAM_SITES", config.num_sites)))
+        ("ENGRAM_SUB", config.engram_sub_dim), ("ENGRAM_SITES", config.num_sites))
 
 
 def _build(dtype: torch.dtype, config) -> dict[int, object]:
     """The three kernels, compiled side by side (the compiler runs outside the GIL): 24 s one after the other at
     the published size on 2 cores, cold; inductor's disk cache serves later processes in milliseconds."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
     scalar = _SCALARS[dtype]
-    source = _defines(dtype, config) + _SOURCE.read_text()
 
     def one(entry: int):
         argtypes = [a.replace("T*", f"{scalar}*") for a in _ARGTYPES[entry]]
-        return CppPythonBindingsCodeCache.load_pybinding(argtypes, f"#define ENTRY {entry}\n" + source)
+        return cpp_kernel(_SOURCE, (("ENTRY", entry), *_defines(dtype, config)), argtypes)
 
     with ThreadPoolExecutor(len(_ARGTYPES)) as pool:
         return dict(zip(_ARGTYPES, pool.map(one, _ARGTYPES), strict=True))
@@ -193,7 +189,7 @@ def fuse(model: nn.Module, k: list[Tensor], v: list[Tensor], offsets: list[tuple
     head = [model.stack.final_norm.scale, model.embedding.weight]
     tensors += sites + head
     P = model.config.hada_dim
-    entry = float(torch.tensor(1 / math.sqrt(P), dtype=torch.float32).to(model.dtype).float())
+    entry = walsh_entry(P, model.dtype)
     dp = product_path(model.dtype)
     cfg = model.config
     return Fused(_built[_defines(model.dtype, cfg)], layers, _table(sites), _table(head), tensors, entry, masked,

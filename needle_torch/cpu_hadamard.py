@@ -18,13 +18,12 @@ vector run as one product with H_16's rows (the scalar butterflies took 3.6 ms a
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, compiling_for_cpu
+from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, compiling_for_cpu, cpp_kernel, walsh_entry
 
 # Both widths must fill whole float vectors: 16 lanes with AVX-512, 8 with AVX2.
 WIDTH_MULTIPLE = 16
@@ -38,11 +37,8 @@ def _key(d_model: int, hada: int) -> str:
 
 
 def _build(d_model: int, hada: int):
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
     argtypes = ["const float*", "const float*", "const float*", "const float*", "float*", "int64_t", "float"]
-    defines = f"#define DMODEL {d_model}\n#define HADA {hada}\n"
-    return CppPythonBindingsCodeCache.load_pybinding(argtypes, defines + _SOURCE.read_text())
+    return cpp_kernel(_SOURCE, (("DMODEL", d_model), ("HADA", hada)), argtypes)
 
 
 def prepare(d_model: int, hada: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -72,10 +68,7 @@ def hadamard_mlp(x: Tensor, d1: Tensor, d2: Tensor, d3: Tensor) -> Tensor:
     return out
 
 
-@functools.cache
-def _entry(size: int) -> float:
-    """H_P's entry: float32(1/√P), as model.walsh_matrix casts it."""
-    return float(torch.tensor(1 / math.sqrt(size), dtype=torch.float32))
+_entry = functools.cache(walsh_entry)  # H_P's entry, once per width (a float32 tensor's value each time otherwise)
 
 
 @hadamard_mlp.register_fake

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, compiling_for_cpu
+from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, compiling_for_cpu, cpp_kernel
 
 _SOURCE = Path(__file__).with_name("csrc") / "sinkhorn.cpp"
 _built: dict[int, object] = {}  # lanes -> the kernel
@@ -27,10 +27,7 @@ _ready: dict[int, bool] = {}  # lanes -> built (False: it did not); plain values
 
 
 def _build(lanes: int):
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    return CppPythonBindingsCodeCache.load_pybinding(["const float*", "float*", "int64_t", "int64_t"],
-                                                     f"#define LANES {lanes}\n" + _SOURCE.read_text())
+    return cpp_kernel(_SOURCE, (("LANES", lanes),), ["const float*", "float*", "int64_t", "int64_t"])
 
 
 def prepare(lanes: int, device: torch.device) -> None:

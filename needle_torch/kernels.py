@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -444,6 +446,24 @@ def keep_heap() -> HeapPolicy:
 
 
 # ----------------------------------------------------------------------------- C++ kernels built at run time
+
+
+def cpp_defines(pairs: Iterable[tuple[str, object]]) -> str:
+    """`#define NAME VALUE` lines, one per pair, in order."""
+    return "".join(f"#define {name} {value}\n" for name, value in pairs)
+
+
+def cpp_kernel(source: Path, defines: Iterable[tuple[str, object]], argtypes: Sequence[str]):
+    """The extern "C" `kernel` of a C++ file of this package (csrc/) with `defines` in front, built through
+    inductor's C++ toolchain and disk cache (once per text), callable from Python with arguments of `argtypes`."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), cpp_defines(defines) + source.read_text())
+
+
+def walsh_entry(size: int, dtype: torch.dtype = torch.float32) -> float:
+    """The entry of the normalised Walsh matrix H_size as the model holds it: float32(1/√size) cast to `dtype`."""
+    return float(torch.tensor(1 / math.sqrt(size), dtype=torch.float32).to(dtype).float())
 
 
 class KernelBuildWarning(RuntimeWarning):

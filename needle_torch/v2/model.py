@@ -38,6 +38,7 @@ from needle_torch.kernels import (
     repeated_region,
     shared_input,
     upcasts,
+    walsh_entry,
 )
 from needle_torch.layers import Tap, ZCRMSNorm, apply_rope, make_attention_mask, make_causal_mask, precompute_rope_freqs
 from needle_torch.pretrained import Pretrained
@@ -167,7 +168,7 @@ def walsh_factors(size: int, dtype: torch.dtype, device=None) -> tuple[Tensor, T
     a = 1 << ((size.bit_length() - 1) // 2)
     dev = torch.device("cpu" if device is None else device)
     A = _cached(f"{a}/factor/{dev}", lambda: torch.sign(walsh_matrix(a, torch.float32, device)))
-    entry = torch.tensor(1 / math.sqrt(size), dtype=torch.float32).to(dtype).float()  # walsh_matrix's cast entry
+    entry = torch.tensor(walsh_entry(size, dtype), dtype=torch.float32)  # walsh_matrix's cast entry
     B = _cached(f"{size}/cofactor/{dtype}/{dev}", lambda: torch.sign(walsh_matrix(size // a, torch.float32, device))
                 * entry.to(dev))
     return A, B
