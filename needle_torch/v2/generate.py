@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
-from needle_torch import cpu_decode, cpu_hadamard, cpu_sinkhorn
+from needle_torch import cpu_decode, cpu_hadamard, cpu_prefill, cpu_sinkhorn
 from needle_torch.kernels import CompiledStep, keep_heap_for, prefill_rows
 from needle_torch.layers import make_causal_mask
 
@@ -213,7 +213,8 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     dtype (STEP_OPTIONS); from cpu_attention.MIN_UNITS rows x kv heads on (batch 8 at the published size), the
     attention is a C++ kernel of the same arithmetic instead (cpu_attention: batch 32 float32 steps 18 % faster);
     above REDUCE_MAX_ROWS rows, in steps and compiled prefills, so are the lane routing's Sinkhorn (cpu_sinkhorn) and,
-    in float32, the Hadamard MLP (cpu_hadamard), each built once per width before the first compile.
+    in float32, the Hadamard MLP (cpu_hadamard), each built once per width before the first compile; a compiled
+    float32 prefill's attention is one too (cpu_prefill).
     Compiles once per (batch, buffer length, dtype, greedy or sampled); later requests reuse the graph, guards
     checked on their first step only (kernels.CompiledStep: not for concurrent threads). float32 logits stay within
     1e-6 of eager (6.5e-7 on the fixture; with the kernel, whose rounding is not SDPA's though as close to a float64
@@ -244,6 +245,9 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     if traced or prefill_compiled:  # the kernels those graphs call (CPU: the Sinkhorn; float32: the Hadamard MLP)
         cpu_sinkhorn.prepare(model.config.mhc_lanes, device)
         cpu_hadamard.prepare(model.config.d_model, model.config.hada_dim, model.dtype, device)
+    if prefill_compiled:  # float32: the prefill's attention
+        cfg = model.config
+        cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
     cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=traced, fused=fused)
     prefill = prefill_in_chunks(model, prompts, cache, prefill_compiled)  # (B, V) float32: chooses token 0
     # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).

@@ -1,0 +1,123 @@
+// Causal prefill attention on CPU in float32: the T queries of each row are the last T of its S cached keys, and each
+// block of `qblock` queries reads only the keys up to its last query. SDPA's float32 arithmetic with an additive mask
+// (model.dot_product_attention, NEEDLE_V2.md §3.4): logits q·kᵀ·scale + bias (the bias 0 or float32's lowest, so a
+// masked logit is exactly the lowest and a fully masked query a uniform average over its block's keys, as SDPA over
+// the same keys gives), softmax, p·v; here the weights are normalised after p·v (one multiply by 1/Σ per output), the
+// same function up to the order of the float32 operations. Built by needle_torch/cpu_prefill.py through inductor's
+// C++ toolchain, with these defined in front: GROUP (query heads per kv head, consecutive) and HEAD (head dim).
+//
+// Why: torch's CPU flash kernel runs these shapes (32 queries, up to a few hundred keys, head dim 64) at about a third
+// of the CPU's float32 peak. Here each (row, kv head) transposes its keys once; every block computes its logits as
+// register tiles of 8 query rows x 2 vectors of keys (the GROUP query heads of a kv head share the key loads), then
+// p·v as tiles of 4 query rows x the head dim.
+//
+// q (B, T, K·GROUP, HEAD) and out the same, contiguous; k, v: key j of kv head kk in row b at b·kv_b + kk·kv_k +
+// j·HEAD (S keys), key S - T + t query t's last; bias (B, T, S).
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t G = GROUP, H = HEAD, W = Vec::size(), J = HEAD / Vec::size(), KB = 2 * Vec::size();
+constexpr int64_t QR = 8;  // query rows of a logits tile
+constexpr int64_t PR = 4;  // query rows of a p·v tile
+static_assert(HEAD % Vec::size() == 0, "head dim must be a multiple of the vector width");
+
+extern "C" void kernel(const float* q, const float* k, const float* v, const float* bias, float* out, int64_t B,
+                       int64_t K, int64_t T, int64_t S, int64_t kv_b, int64_t kv_k, float scale,
+                       int64_t qblock) {
+    const int64_t Sp = (S + KB - 1) / KB * KB;  // keys padded to whole tiles (the padding is never read as a weight)
+    const int64_t rows_max = qblock * G;
+    #pragma omp parallel
+    {
+        std::vector<float> kt(H * Sp);          // this (row, kv head)'s keys transposed: kt[d·Sp + j]
+        std::vector<float> s(rows_max * Sp);    // a block's logits, then its unnormalised weights
+        std::vector<float> inv(rows_max);
+        std::vector<const float*> qrow(rows_max);
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < B * K; ++u) {
+            const int64_t b = u / K, kk = u % K;
+            const float* ku = k + b * kv_b + kk * kv_k;
+            const float* vu = v + b * kv_b + kk * kv_k;
+            at::vec::transpose_mxn<float>(ku, H, kt.data(), Sp, S, H);
+            for (int64_t j = S; j < Sp; ++j)
+                for (int64_t d = 0; d < H; ++d) kt[d * Sp + j] = 0.f;
+            for (int64_t a = 0; a < T; a += qblock) {
+                const int64_t nt = std::min<int64_t>(qblock, T - a), R = nt * G;
+                const int64_t kend = S - T + a + nt;  // keys [0, kend) of this block: up to its last query's
+                const int64_t kpad = (kend + KB - 1) / KB * KB;
+                for (int64_t r = 0; r < R; ++r)  // row r: query a + r / G, head kk·G + r % G
+                    qrow[r] = q + ((b * T + a + r / G) * K * G + kk * G + r % G) * H;
+                // logits, tiles of QR rows x KB keys over the head dim
+                for (int64_t r0 = 0; r0 < R; r0 += QR) {
+                    const float* qr[QR];
+                    for (int64_t i = 0; i < QR; ++i) qr[i] = qrow[std::min(r0 + i, R - 1)];
+                    for (int64_t j0 = 0; j0 < kpad; j0 += KB) {
+                        Vec acc[QR][2];
+                        for (int64_t i = 0; i < QR; ++i) acc[i][0] = acc[i][1] = Vec(0.f);
+                        const float* kd = kt.data() + j0;
+                        for (int64_t d = 0; d < H; ++d, kd += Sp) {
+                            const Vec k0 = Vec::loadu(kd), k1 = Vec::loadu(kd + W);
+                            for (int64_t i = 0; i < QR; ++i) {
+                                const Vec qi(qr[i][d]);
+                                acc[i][0] = at::vec::fmadd(qi, k0, acc[i][0]);
+                                acc[i][1] = at::vec::fmadd(qi, k1, acc[i][1]);
+                            }
+                        }
+                        const Vec sc(scale);
+                        const int64_t n0 = std::clamp<int64_t>(kend - j0, 0, W), n1 = std::clamp<int64_t>(kend - j0 - W, 0, W);
+                        for (int64_t i = 0; i < QR && r0 + i < R; ++i) {  // s·scale + bias, the bias read up to kend
+                            const float* br = bias + (b * T + a + (r0 + i) / G) * S + j0;
+                            float* sr = s.data() + (r0 + i) * Sp + j0;
+                            at::vec::fmadd(acc[i][0], sc, n0 == W ? Vec::loadu(br) : Vec::loadu(br, n0)).store(sr);
+                            at::vec::fmadd(acc[i][1], sc, n1 == W ? Vec::loadu(br + W) : Vec::loadu(br + W, n1)).store(sr + W);
+                        }
+                    }
+                }
+                // max, exp, Σ per row
+                for (int64_t r = 0; r < R; ++r) {
+                    float* sr = s.data() + r * Sp;
+                    Vec vmx(std::numeric_limits<float>::lowest());
+                    int64_t j = 0;
+                    for (; j + W <= kend; j += W) vmx = at::vec::maximum(vmx, Vec::loadu(sr + j));
+                    float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+                    for (; j < kend; ++j) mx = sr[j] > mx ? sr[j] : mx;
+                    const Vec vm(mx);
+                    Vec vsum(0.f);
+                    for (j = 0; j + W <= kend; j += W) {
+                        const Vec e = (Vec::loadu(sr + j) - vm).exp();
+                        e.store(sr + j);
+                        vsum = vsum + e;
+                    }
+                    float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+                    for (; j < kend; ++j) { sr[j] = std::exp(sr[j] - mx); sum += sr[j]; }
+                    inv[r] = 1.f / sum;
+                }
+                // p·v, tiles of PR rows x the head dim, then the 1/Σ
+                for (int64_t r0 = 0; r0 < R; r0 += PR) {
+                    const int64_t nr = std::min<int64_t>(PR, R - r0);
+                    const float* pr[PR];
+                    for (int64_t i = 0; i < PR; ++i) pr[i] = s.data() + std::min(r0 + i, R - 1) * Sp;
+                    Vec acc[PR][J];
+                    for (int64_t i = 0; i < PR; ++i)
+                        for (int64_t c = 0; c < J; ++c) acc[i][c] = Vec(0.f);
+                    for (int64_t j = 0; j < kend; ++j) {
+                        Vec vr[J];
+                        for (int64_t c = 0; c < J; ++c) vr[c] = Vec::loadu(vu + j * H + c * W);
+                        for (int64_t i = 0; i < PR; ++i) {
+                            const Vec p(pr[i][j]);
+                            for (int64_t c = 0; c < J; ++c) acc[i][c] = at::vec::fmadd(p, vr[c], acc[i][c]);
+                        }
+                    }
+                    for (int64_t i = 0; i < nr; ++i) {
+                        const int64_t r = r0 + i;
+                        float* o = out + ((b * T + a + r / G) * K * G + kk * G + r % G) * H;
+                        const Vec f(inv[r]);
+                        for (int64_t c = 0; c < J; ++c) (acc[i][c] * f).store(o + c * W);
+                    }
+                }
+            }
+        }
+    }
+}

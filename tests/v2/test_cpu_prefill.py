@@ -1,0 +1,148 @@
+"""The C++ prefill attention (needle_torch/cpu_prefill.py) against the twin's own attention through SDPA's query
+blocks (model.dot_product_attention), against a float64 numpy attention, and inside a compiled prefill against
+upstream's prefill goldens: float32, causal, left pads, windows with sinks."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from convert.io import read_checkpoint
+from convert.trees import flatten_tree, unflatten_tree
+from needle_torch import cpu_prefill, kernels
+from needle_torch.v2 import model as v2_model
+from needle_torch.v2.model import SimpleAttentionNetwork, dot_product_attention, make_decode_mask
+from tests.kernel_builds import without_compiler
+from tests.v2.goldens import F32_REL
+
+# float32: the same logits, weights and products as SDPA's, summed in another order and normalised after p·v rather
+# than before: measured 2.4-4.8e-7 of the largest output (O(1) values, up to a few hundred keys).
+KERNEL_REL = 1e-6
+CPU = torch.device("cpu")
+DATA = "tests/data/"
+
+
+def inputs(B: int, H: int, K: int, T: int, S: int, h: int, seed: int, pads=(), window: int = 0, sinks: int = 0):
+    """q (B, H, T, h); k, v (B, K, S, h) as a cache's prefix (views of (B, K, S + 7, h) buffers, so their rows are
+    not contiguous in S); the decode mask (B, 1, T, S) of a prefill at position S - T: causal, each row's first
+    pads[b] keys invalid (and their queries, if any, seeing no key), a window of `window` keys with the first
+    `sinks` keys pinned."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, h, generator=g)
+    k = torch.randn(B, K, S + 7, h, generator=g)[:, :, :S]
+    v = torch.randn(B, K, S + 7, h, generator=g)[:, :, :S]
+    valid = torch.ones(B, S, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        valid[b, :p] = False
+    sink = None
+    if sinks:
+        sink = torch.zeros(B, S, dtype=torch.bool)
+        sink[:, :sinks] = True
+    mask = make_decode_mask(torch.arange(S - T, S), valid, window, sink)  # (B, 1, T, S)
+    for b, p in enumerate(pads):  # the pad queries see no key at all (the decode mask lets each see itself)
+        mask[b, :, :max(0, p - (S - T))] = False
+    return q, k, v, mask
+
+
+def numpy_attention(q, k, v, mask) -> np.ndarray:
+    """float64 softmax(q·kᵀ/√h masked)·v, GQA with consecutive query heads per kv head; rows with no key: NaN."""
+    q, k, v, m = (x.double().numpy() for x in (q, k, v, mask))
+    G = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
+    s = np.where(m > 0, s, -np.inf)
+    with np.errstate(invalid="ignore"):
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def rel(a: torch.Tensor, ref) -> float:
+    ref = torch.as_tensor(ref, dtype=torch.float64)
+    return float((a.double() - ref).abs().max() / ref.abs().max())
+
+
+CASES = {  # (B, H, K, T, S, h, pads, window, sinks)
+    "published heads, 3 blocks and a tail": (2, 8, 4, 80, 80, 64, (0, 37), 0, 0),
+    "after earlier tokens, a window with sinks": (2, 4, 2, 70, 75, 16, (3, 0), 24, 2),
+    "one kv head per query head, one block": (1, 2, 2, 20, 20, 32, (), 0, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_kernel_is_the_twins_blocked_attention(case):
+    """The kernel against model.dot_product_attention's SDPA blocks (eager, causal), everywhere, the fully masked
+    queries of a left-padded row included (a uniform average over its block's keys, in both), and against float64
+    numpy where a query sees any key."""
+    B, H, K, T, S, h, pads, window, sinks = CASES[case]
+    q, k, v, mask = inputs(B, H, K, T, S, h, seed=len(case), pads=pads, window=window, sinks=sinks)
+    cpu_prefill.prepare(H // K, h, torch.float32, CPU)
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, v2_model.F32_MIN)
+    with torch.no_grad():
+        out = cpu_prefill.attend(q, k, v, bias, v2_model.QUERY_BLOCK)
+        ref = dot_product_attention(q, k, v, mask, True, causal=True)
+    assert out.shape == ref.shape == q.shape and out.dtype == torch.float32
+    assert rel(out, ref) <= KERNEL_REL
+    seen = mask[:, 0].any(-1)  # (B, T): queries with at least one key
+    assert bool((~seen).any()) == any(p > S - T for p in pads)  # pad queries in the prefill: none seeing a key
+    exact = numpy_attention(q, k, v, mask)
+    for b in range(B):
+        assert rel(out[b][:, seen[b]], exact[b][:, seen[b].numpy()]) <= KERNEL_REL, f"row {b}"
+
+
+def test_a_compiled_prefill_calls_the_kernel_and_reproduces_upstreams_prefill(monkeypatch):
+    """The compiled float32 prefill of the tiny fixture (head dim 16, two query heads per kv head) with the kernel
+    built: the op is in the graph, and every position's logits are upstream's forward_cached goldens within the
+    twin's float32 budget. Eager code, bf16, a non-causal mask and a graph that records gradients keep SDPA."""
+    ckpt = read_checkpoint(DATA + "needle-v2-tiny.pkl")
+    g = np.load(DATA + "needle-v2-tiny.npz")
+    params = unflatten_tree({k: np.asarray(v, np.float32) for k, v in flatten_tree(ckpt.params).items()})
+    model = SimpleAttentionNetwork.from_flax(params, ckpt.config)
+    cfg = ckpt.config
+    cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
+    key = cpu_prefill._key(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+    calls = []
+    real = cpu_prefill._built[key]
+    monkeypatch.setattr(cpu_prefill, "_built", {key: lambda *a: (calls.append(a[7]), real(*a))})
+    prompts = torch.from_numpy(g["dec_prompt"]).long()
+    with torch.no_grad():
+        cache = model.new_cache(prompts.shape[0], prompts.shape[1] + 1)
+        torch._dynamo.reset()
+        logits = torch.compile(lambda p, c: model.decode_step(p, c, 0), fullgraph=True)(prompts, cache)
+    assert calls == [prompts.shape[1]] * cfg.num_layers  # T = the prompt's length, once per layer
+    for p in range(logits.shape[1]):
+        assert rel(logits[:, p], g["f32/dec_prefill_logits"][:, p]) <= F32_REL, f"prefill position {p}"
+    q, k, v, mask = inputs(1, 4, 2, 9, 9, 16, seed=0)
+    assert not cpu_prefill.applies(q, k, True)  # not compiling
+    monkeypatch.setattr(cpu_prefill, "compiling_for_cpu", lambda device: True)
+    with torch.no_grad():
+        assert cpu_prefill.applies(q, k, True)
+        assert not cpu_prefill.applies(q, k, False)
+        assert not cpu_prefill.applies(q.bfloat16(), k.bfloat16(), True)
+    with torch.enable_grad():
+        assert not cpu_prefill.applies(q, k, True)  # the op has no backward
+
+
+def test_a_head_dim_off_the_vector_width_or_bf16_builds_no_kernel(monkeypatch):
+    builds = []
+    monkeypatch.setattr(cpu_prefill, "_build", lambda *key: builds.append(key))
+    monkeypatch.setattr(cpu_prefill, "_built", {})
+    monkeypatch.setattr(cpu_prefill, "_ready", {})
+    cpu_prefill.prepare(2, 24, torch.float32, CPU)  # h = 24: not a multiple of 16
+    cpu_prefill.prepare(2, 64, torch.bfloat16, CPU)  # float32 only
+    assert builds == []
+    cpu_prefill.prepare(2, 64, torch.float32, CPU)
+    assert builds == [(2, 64)]
+
+
+def test_a_kernel_that_does_not_build_warns_once_and_keeps_sdpa(monkeypatch):
+    without_compiler(monkeypatch, cpu_prefill)
+    with pytest.warns(kernels.KernelBuildWarning, match="no C[+][+] compiler"):
+        cpu_prefill.prepare(2, 64, torch.float32, CPU)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu_prefill.prepare(2, 64, torch.float32, CPU)  # tried once a process
+    assert cpu_prefill._ready == {cpu_prefill._key(2, 64): False}
