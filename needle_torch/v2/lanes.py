@@ -102,6 +102,24 @@ def project(xhat: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return matmul_nt(xhat, stacked, torch.float32, reduce).split([phi.shape[0] for phi in phis], dim=-1)
 
 
+def route(lanes: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """x̂ φ for each φ of `phis`, x̂ = flatten_lanes(lanes): project(flatten_lanes(lanes), phis).
+
+    Compiled for CPU over more rows than a fused reduction takes (a prefill), the product reads the flattened lanes
+    themselves and each row of its result takes rms_unit's factor after it, x̂ φ = (x φ)·rsqrt(mean(x²) + ε): the
+    same function up to float32 rounding (the factor applied to the n·D inputs of a row or to its sums), without
+    writing x̂ (16 MB of float32 per 2048 tokens at the published size) and reading it back. Published size, 2
+    threads of a 2-core Zen 4 EPYC, the two forms alternating in one process: the batch-32 float32 compiled prefill
+    3.99 against 4.38 s (medians of 8, faster in 7); batch-32 steps 46.4 against 46.8 ms (60 pairs, even)."""
+    B, T, n, D = lanes.shape
+    if not compiling_for_cpu(lanes.device) or as_reduction(B * T, lanes.device):
+        return project(flatten_lanes(lanes), phis)
+    x = lanes.reshape(B, T, n * D).float()
+    inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)  # (B, T, 1)
+    stacked = torch.cat([phi.float() for phi in phis])  # (Σ out, n·D)
+    return (matmul_nt(x, stacked, torch.float32) * inv).split([phi.shape[0] for phi in phis], dim=-1)
+
+
 def pre_weights(r: Tensor, a: Tensor, b: Tensor, pre_off: Tensor) -> Tensor:
     """hpre = σ(a·r + b + pre_off) with r = x̂ φ_pre, (B, T, n) float32 (a bf16 0-d `a` or bf16 `b` promote to
     float32)."""
@@ -168,5 +186,5 @@ def aq(x: Tensor, quant: bool | Tensor) -> Tensor:
 
 __all__ = [
     "ACT_BITS", "SINKHORN_ITERS", "aq", "fake_quant_act", "flatten_lanes", "lane_offsets", "mix_in", "mix_out",
-    "post_weights", "pre_weights", "project", "res_weights", "rms_unit", "sinkhorn",
+    "post_weights", "pre_weights", "project", "res_weights", "rms_unit", "route", "sinkhorn",
 ]

@@ -46,15 +46,14 @@ from needle_torch.v2.engram import Engram, engram_history_masks, engram_indices,
 from needle_torch.v2.generate import generate as generate_cached
 from needle_torch.v2.lanes import (
     aq,
-    flatten_lanes,
     lane_offsets,
     mix_in,
     mix_out,
     post_weights,
     pre_weights,
-    project,
     res_weights,
     rms_unit,
+    route,
 )
 
 F32_MIN = torch.finfo(torch.float32).min
@@ -435,8 +434,8 @@ class MHCLayer(nn.Module):
         baked into a compiled region and one serves every layer)."""
         dtype = lanes.dtype
         pre_off, post_off = lane_offsets(self.layer, lanes.shape[2], lanes.device) if offsets is None else offsets
-        xhat = flatten_lanes(lanes)  # (B, T, n·D) float32
-        r_pre, r_post, r_res = project(xhat, (self.phi_pre.weight, self.phi_post.weight, self.phi_res.weight))
+        # x̂ φ for the three φ, x̂ = flatten_lanes(lanes) (B, T, n·D) float32
+        r_pre, r_post, r_res = route(lanes, (self.phi_pre.weight, self.phi_post.weight, self.phi_res.weight))
         hpre = self.tap_hpre(pre_weights(r_pre, self.a_pre, self.b_pre, pre_off))
         hpost = self.tap_hpost(post_weights(r_post, self.a_post, self.b_post, post_off))
         hres = self.tap_hres(res_weights(r_res, self.a_res, self.b_res))

@@ -45,7 +45,7 @@ from needle_torch.v2 import (
 )
 from needle_torch.v2 import model as v2_model
 from needle_torch.v2.engram import engram_history_masks
-from needle_torch.v2.lanes import mix_out, project
+from needle_torch.v2.lanes import mix_out, project, route
 
 jax.config.update("jax_default_matmul_precision", "highest")
 torch.set_float32_matmul_precision("highest")  # float32 parity: no TF32 / reduced-precision passes
@@ -570,6 +570,29 @@ def test_the_routing_projections_are_each_phi_product_eager_and_stacked_when_com
         for g, w in zip(got, weights, strict=True):
             assert g.dtype == torch.float32
             assert rel(g, xhat @ w.double().numpy().T) <= 1e-6
+
+
+@pytest.mark.slow
+def test_the_routing_logits_of_the_lanes_are_their_rms_unit_times_each_phi():
+    """lanes.route: x̂ φ for each φ with x̂ = rms_unit of the flattened lanes; eagerly project(flatten_lanes(..)),
+    compiled for CPU at 6 rows the product of the lanes themselves times rms_unit's factor per row, at 3 the fused
+    multiply-and-sum of x̂. Each within 1e-6 of float64 (float32 sums of 256 terms, the factor rounded once more;
+    measured <= 3e-7): the factor left out would be off by the lanes' RMS (about 3 here), a mean over the wrong
+    axis by far more than 1e-6."""
+    rng = np.random.default_rng(6)
+    phis = [rng.standard_normal((o, 256)) * 0.02 for o in (4, 4, 16)]
+    weights = tuple(torch.from_numpy(p).float() for p in phis)
+    torch._dynamo.reset()
+    compiled = torch.compile(route, fullgraph=True, dynamic=False)
+    for rows, dtype, run in itertools.product((3, 6), (torch.float32, torch.bfloat16), (route, compiled)):
+        lanes = torch.from_numpy(rng.standard_normal((1, rows, 4, 64)) * 3).to(dtype)
+        x = lanes.double().numpy().reshape(1, rows, 256)
+        xhat = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
+        got = run(lanes, weights)
+        assert [g.shape for g in got] == [(1, rows, 4), (1, rows, 4), (1, rows, 16)]
+        for g, w in zip(got, phis, strict=True):
+            assert g.dtype == torch.float32
+            assert rel(g, xhat @ w.T) <= 1e-6
 
 
 def test_hadamard_mlp_pads_to_a_power_of_two():
