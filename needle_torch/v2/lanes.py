@@ -105,16 +105,18 @@ def project(xhat: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 def route(lanes: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """x̂ φ for each φ of `phis`, x̂ = flatten_lanes(lanes): project(flatten_lanes(lanes), phis).
 
-    Compiled for CPU over more rows than a fused reduction takes (a prefill), the product reads the flattened lanes
+    Compiled for CPU over more float32 rows than a fused reduction takes (a prefill), the product reads the lanes
     themselves and each row of its result takes rms_unit's factor after it, x̂ φ = (x φ)·rsqrt(mean(x²) + ε): the
     same function up to float32 rounding (the factor applied to the n·D inputs of a row or to its sums), without
     writing x̂ (16 MB of float32 per 2048 tokens at the published size) and reading it back. Published size, 2
     threads of a 2-core Zen 4 EPYC, the two forms alternating in one process: the batch-32 float32 compiled prefill
-    3.99 against 4.38 s (medians of 8, faster in 7); batch-32 steps 46.4 against 46.8 ms (60 pairs, even)."""
+    3.99 against 4.38 s (medians of 8, faster in 7); batch-32 steps 46.4 against 46.8 ms (60 pairs, even). Not for
+    bf16 lanes, which the product would read as a float32 copy: the batch-32 bf16 prefill took 3.87-3.91 against
+    3.28-3.79 s (medians, two processes each, alternating)."""
     B, T, n, D = lanes.shape
-    if not compiling_for_cpu(lanes.device) or as_reduction(B * T, lanes.device):
+    if lanes.dtype != torch.float32 or not compiling_for_cpu(lanes.device) or as_reduction(B * T, lanes.device):
         return project(flatten_lanes(lanes), phis)
-    x = lanes.reshape(B, T, n * D).float()
+    x = lanes.reshape(B, T, n * D)
     inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)  # (B, T, 1)
     stacked = torch.cat([phi.float() for phi in phis])  # (Σ out, n·D)
     return (matmul_nt(x, stacked, torch.float32) * inv).split([phi.shape[0] for phi in phis], dim=-1)

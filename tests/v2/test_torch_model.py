@@ -575,10 +575,10 @@ def test_the_routing_projections_are_each_phi_product_eager_and_stacked_when_com
 @pytest.mark.slow
 def test_the_routing_logits_of_the_lanes_are_their_rms_unit_times_each_phi():
     """lanes.route: x̂ φ for each φ with x̂ = rms_unit of the flattened lanes; eagerly project(flatten_lanes(..)),
-    compiled for CPU at 6 rows the product of the lanes themselves times rms_unit's factor per row, at 3 the fused
-    multiply-and-sum of x̂. Each within 1e-6 of float64 (float32 sums of 256 terms, the factor rounded once more;
-    measured <= 3e-7): the factor left out would be off by the lanes' RMS (about 3 here), a mean over the wrong
-    axis by far more than 1e-6."""
+    compiled for CPU at 6 float32 rows the product of the lanes themselves times rms_unit's factor per row (bf16
+    lanes: project's product of x̂), at 3 the fused multiply-and-sum of x̂. Each within 1e-6 of float64 (float32
+    sums of 256 terms, the factor rounded once more; measured <= 3e-7): the factor left out would be off by the
+    lanes' RMS (about 3 here), a mean over the wrong axis by far more than 1e-6."""
     rng = np.random.default_rng(6)
     phis = [rng.standard_normal((o, 256)) * 0.02 for o in (4, 4, 16)]
     weights = tuple(torch.from_numpy(p).float() for p in phis)
