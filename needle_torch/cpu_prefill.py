@@ -86,5 +86,4 @@ def _(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, qblock: int) -> Tensor:
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, qblock: int) -> Tensor:
     """q (B, H, T, h), k and v (B, K, S, h), bias (B|1, 1, T, S) -> (B, H, T, h) through the kernel (a view of its
     (B, T, H, h) output, which the attention's output projection reads as it is)."""
-    B, H, T, h = q.shape
     return prefill_attention(q.transpose(1, 2), k, v, bias[:, 0], qblock).transpose(1, 2)

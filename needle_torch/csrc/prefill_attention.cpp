@@ -2,8 +2,8 @@
 // block of `qblock` queries reads only the keys up to its last query. SDPA's float32 arithmetic with an additive mask
 // (model.dot_product_attention, NEEDLE_V2.md §3.4): logits q·kᵀ·scale + bias (the bias 0 or float32's lowest, so a
 // masked logit is exactly the lowest and a fully masked query a uniform average over its block's keys, as SDPA over
-// the same keys gives), softmax, p·v; here the weights are normalised after p·v (one multiply by 1/Σ per output), the
-// same function up to the order of the float32 operations. Built by needle_torch/cpu_prefill.py through inductor's
+// the same keys gives), softmax, p·v; here the weights are normalised after p·v (one multiply by 1/Σ per output),
+// the same function up to the order of the float32 operations. Built by needle_torch/cpu_prefill.py through inductor's
 // C++ toolchain, with these defined in front: GROUP (query heads per kv head, consecutive) and HEAD (head dim).
 //
 // Why: torch's CPU flash kernel runs these shapes (32 queries, up to a few hundred keys, head dim 64) at about a third
@@ -66,12 +66,16 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const flo
                             }
                         }
                         const Vec sc(scale);
-                        const int64_t n0 = std::clamp<int64_t>(kend - j0, 0, W), n1 = std::clamp<int64_t>(kend - j0 - W, 0, W);
-                        for (int64_t i = 0; i < QR && r0 + i < R; ++i) {  // s·scale + bias, the bias read up to kend
+                        // s·scale + bias, the bias read up to kend only (n0, n1 of each vector's keys)
+                        const int64_t n0 = std::clamp<int64_t>(kend - j0, 0, W);
+                        const int64_t n1 = std::clamp<int64_t>(kend - j0 - W, 0, W);
+                        for (int64_t i = 0; i < QR && r0 + i < R; ++i) {
                             const float* br = bias + (b * T + a + (r0 + i) / G) * S + j0;
                             float* sr = s.data() + (r0 + i) * Sp + j0;
-                            at::vec::fmadd(acc[i][0], sc, n0 == W ? Vec::loadu(br) : Vec::loadu(br, n0)).store(sr);
-                            at::vec::fmadd(acc[i][1], sc, n1 == W ? Vec::loadu(br + W) : Vec::loadu(br + W, n1)).store(sr + W);
+                            const Vec b0 = n0 == W ? Vec::loadu(br) : Vec::loadu(br, n0);
+                            const Vec b1 = n1 == W ? Vec::loadu(br + W) : Vec::loadu(br + W, n1);
+                            at::vec::fmadd(acc[i][0], sc, b0).store(sr);
+                            at::vec::fmadd(acc[i][1], sc, b1).store(sr + W);
                         }
                     }
                 }
@@ -81,7 +85,8 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const flo
                     Vec vmx(std::numeric_limits<float>::lowest());
                     int64_t j = 0;
                     for (; j + W <= kend; j += W) vmx = at::vec::maximum(vmx, Vec::loadu(sr + j));
-                    float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+                    float mx = at::vec::vec_reduce_all<float>(
+                        [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
                     for (; j < kend; ++j) mx = sr[j] > mx ? sr[j] : mx;
                     const Vec vm(mx);
                     Vec vsum(0.f);

@@ -105,10 +105,10 @@ def project(xhat: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 def route(lanes: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """x̂ φ for each φ of `phis`, x̂ = flatten_lanes(lanes): project(flatten_lanes(lanes), phis).
 
-    Compiled for CPU over more float32 rows than a fused reduction takes (a prefill), the product reads the lanes
-    themselves and each row of its result takes rms_unit's factor after it, x̂ φ = (x φ)·rsqrt(mean(x²) + ε): the
-    same function up to float32 rounding (the factor applied to the n·D inputs of a row or to its sums), without
-    writing x̂ (16 MB of float32 per 2048 tokens at the published size) and reading it back. Published size, 2
+    Compiled for CPU over more float32 rows than a fused reduction takes (a prefill, a batch-32 step), the product
+    reads the lanes themselves and each row of its result takes rms_unit's factor after it, x̂ φ = (x φ)·rsqrt(mean(x²)
+    + ε): the same function up to float32 rounding (the factor applied to the n·D inputs of a row or to its sums),
+    without writing x̂ (16 MB of float32 per 2048 tokens at the published size) and reading it back. Published size, 2
     threads of a 2-core Zen 4 EPYC, the two forms alternating in one process: the batch-32 float32 compiled prefill
     3.99 against 4.38 s (medians of 8, faster in 7); batch-32 steps 46.4 against 46.8 ms (60 pairs, even). Not for
     bf16 lanes, which the product would read as a float32 copy: the batch-32 bf16 prefill took 3.87-3.91 against
