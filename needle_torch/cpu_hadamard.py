@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, compiling_for_cpu, cpp_kernel, walsh_entry
+from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls, walsh_entry
 
 # Both widths must fill whole float vectors: 16 lanes with AVX-512, 8 with AVX2.
 WIDTH_MULTIPLE = 16
@@ -53,9 +53,8 @@ def prepare(d_model: int, hada: int, dtype: torch.dtype, device: torch.device) -
 def applies(x: Tensor, d1: Tensor) -> bool:
     """Whether the MLP of x (..., D) with weights of width P runs through the kernel: a compiled CPU graph, float32,
     more rows than kernels.REDUCE_MAX_ROWS (fewer stay one fused reduction), inference, a built kernel."""
-    return (compiling_for_cpu(x.device) and x.dtype == torch.float32 == d1.dtype
-            and x.shape[:-1].numel() > REDUCE_MAX_ROWS and not torch.is_grad_enabled()
-            and _ready.get(_key(x.shape[-1], d1.shape[0]), False))
+    return (x.dtype == torch.float32 == d1.dtype and x.shape[:-1].numel() > REDUCE_MAX_ROWS
+            and graph_calls(x.device, _ready, _key(x.shape[-1], d1.shape[0])))
 
 
 @torch.library.custom_op("needle_twin::hadamard_mlp", mutates_args=())

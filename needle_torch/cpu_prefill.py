@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import build_once, compiling_for_cpu, cpp_kernel
+from needle_torch.kernels import build_once, cpp_kernel, graph_calls
 
 # The head dim must fill whole float vectors (the kernel's static_assert): 16 lanes with AVX-512, 8 with AVX2.
 HEAD_MULTIPLE = 16
@@ -54,8 +54,7 @@ def applies(q: Tensor, k: Tensor, causal: bool) -> bool:
     """Whether this attention (q (B, H, T, h), k (B, K, S, h)) runs through the kernel: causal (the T queries the
     last T of the S keys), a compiled CPU graph, float32, inference, a built kernel."""
     H, h = q.shape[1], q.shape[3]
-    return (causal and compiling_for_cpu(q.device) and q.dtype == torch.float32 == k.dtype
-            and not torch.is_grad_enabled() and _ready.get(_key(H // k.shape[1], h), False))
+    return causal and q.dtype == torch.float32 == k.dtype and graph_calls(q.device, _ready, _key(H // k.shape[1], h))
 
 
 def _rows(t: Tensor) -> Tensor:

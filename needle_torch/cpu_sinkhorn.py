@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, compiling_for_cpu, cpp_kernel
+from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls
 
 _SOURCE = Path(__file__).with_name("csrc") / "sinkhorn.cpp"
 _built: dict[int, object] = {}  # lanes -> the kernel
@@ -41,8 +41,8 @@ def prepare(lanes: int, device: torch.device) -> None:
 def applies(z: Tensor) -> bool:
     """Whether the Sinkhorn of float32 logits z (..., n, n) runs through the kernel: a compiled CPU graph, more rows
     than kernels.REDUCE_MAX_ROWS (fewer stay fused into their layer), inference, a built kernel."""
-    return (compiling_for_cpu(z.device) and z.dtype == torch.float32 and z.shape[:-2].numel() > REDUCE_MAX_ROWS
-            and not torch.is_grad_enabled() and _ready.get(z.shape[-1], False))
+    return (z.dtype == torch.float32 and z.shape[:-2].numel() > REDUCE_MAX_ROWS
+            and graph_calls(z.device, _ready, z.shape[-1]))
 
 
 @torch.library.custom_op("needle_twin::sinkhorn", mutates_args=())

@@ -266,6 +266,13 @@ def compiling_for_cpu(device: torch.device) -> bool:
     return torch.compiler.is_compiling() and device.type == "cpu"
 
 
+def graph_calls(device: torch.device, ready: Mapping, key) -> bool:
+    """Whether the code being traced may call the C++ kernel built under `key` (`ready`: a kernel module's build
+    record, see build_once): a compiled CPU graph, for inference (the kernels' ops have no backward), and a kernel
+    that built. Each kernel module adds its own shape and dtype rules."""
+    return compiling_for_cpu(device) and not torch.is_grad_enabled() and ready.get(key, False)
+
+
 def as_reduction(rows: int, device: torch.device) -> bool:
     """Whether a product with `rows` rows on `device` is written as a multiply-and-sum here (compiling)."""
     return compiling_for_cpu(device) and reduces_when_compiled(rows, device)

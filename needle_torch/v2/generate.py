@@ -242,11 +242,11 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     G, device = int(max_new_tokens), model.device
     fused = step_compiled and cpu_decode.applies(model, B)  # the C++ layer kernel instead of torch.compile
     traced = step_compiled and not fused
+    cfg = model.config
     if traced or prefill_compiled:  # the kernels those graphs call (CPU: the Sinkhorn; float32: the Hadamard MLP)
-        cpu_sinkhorn.prepare(model.config.mhc_lanes, device)
-        cpu_hadamard.prepare(model.config.d_model, model.config.hada_dim, model.dtype, device)
+        cpu_sinkhorn.prepare(cfg.mhc_lanes, device)
+        cpu_hadamard.prepare(cfg.d_model, cfg.hada_dim, model.dtype, device)
     if prefill_compiled:  # float32: the prefill's attention
-        cfg = model.config
         cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
     cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=traced, fused=fused)
     prefill = prefill_in_chunks(model, prompts, cache, prefill_compiled)  # (B, V) float32: chooses token 0

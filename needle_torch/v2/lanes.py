@@ -26,7 +26,12 @@ def rms_unit(x: Tensor) -> Tensor:
 
     A multiply by rsqrt, unlike ZCRMSNorm's division by sqrt (§10.11): keep each form where it belongs."""
     x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+    return x * rms_factor(x)
+
+
+def rms_factor(x: Tensor) -> Tensor:
+    """rms_unit's factor of float32 x: rsqrt(mean(x^2) + 1e-6) over the last axis, kept (..., 1)."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)
 
 
 def _logsumexp(z: Tensor, dim: int) -> Tensor:
@@ -117,9 +122,8 @@ def route(lanes: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     if lanes.dtype != torch.float32 or not compiling_for_cpu(lanes.device) or as_reduction(B * T, lanes.device):
         return project(flatten_lanes(lanes), phis)
     x = lanes.reshape(B, T, n * D)
-    inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)  # (B, T, 1)
     stacked = torch.cat([phi.float() for phi in phis])  # (Σ out, n·D)
-    return (matmul_nt(x, stacked, torch.float32) * inv).split([phi.shape[0] for phi in phis], dim=-1)
+    return (matmul_nt(x, stacked, torch.float32) * rms_factor(x)).split([phi.shape[0] for phi in phis], dim=-1)
 
 
 def pre_weights(r: Tensor, a: Tensor, b: Tensor, pre_off: Tensor) -> Tensor:
@@ -188,5 +192,5 @@ def aq(x: Tensor, quant: bool | Tensor) -> Tensor:
 
 __all__ = [
     "ACT_BITS", "SINKHORN_ITERS", "aq", "fake_quant_act", "flatten_lanes", "lane_offsets", "mix_in", "mix_out",
-    "post_weights", "pre_weights", "project", "res_weights", "rms_unit", "route", "sinkhorn",
+    "post_weights", "pre_weights", "project", "res_weights", "rms_factor", "rms_unit", "route", "sinkhorn",
 ]

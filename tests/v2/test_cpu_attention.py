@@ -3,14 +3,12 @@ goldens pin to upstream's (tests/v2/test_torch_model.py): one query per row over
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from needle_torch import cpu_attention, kernels
+from needle_torch import cpu_attention
 from needle_torch.v2.model import FLASH_NEG, dot_product_attention
-from tests.kernel_builds import without_compiler
+from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 
 # float32: the same products, summed in another order (16-lane partial sums, then across lanes): measured 1.3-5.7e-7.
 F32_REL = 1e-6
@@ -87,21 +85,14 @@ def test_a_head_dim_off_the_vector_width_keeps_the_torch_form():
 
 def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkeypatch):
     without_compiler(monkeypatch, cpu_attention)
-    with pytest.warns(kernels.KernelBuildWarning, match="no C[+][+] compiler"):
-        cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS)  # tried once a process
+    assert_warns_once(lambda: cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS))
     q, k = torch.zeros(32, 4, 1, 16), torch.zeros(32, 2, 8, 16)
     assert not cpu_attention.applies(q, k, flash=True)
 
 
 def test_a_request_too_small_for_the_kernel_builds_none(monkeypatch):
     """new_cache prepares the kernel only for steps that will call it: below MIN_UNITS rows x kv heads, no build."""
-    builds = []
-    monkeypatch.setattr(cpu_attention, "_build", lambda *key: builds.append(key))
-    monkeypatch.setattr(cpu_attention, "_built", {})
-    monkeypatch.setattr(cpu_attention, "_ready", {})
+    builds = recording_builds(monkeypatch, cpu_attention)
     cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS - 1)
     assert builds == []
     cpu_attention.prepare(torch.float32, 2, 16, CPU, cpu_attention.MIN_UNITS)

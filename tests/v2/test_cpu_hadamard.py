@@ -4,7 +4,6 @@ pin to upstream's (tests/v2/test_torch_model.py): float32 rows, the Walsh produc
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from convert.v2.config import NEEDLE_V2_PUBLISHED
 from needle_torch import cpu_hadamard, kernels
 from needle_torch.v2.model import HadamardMLP
-from tests.kernel_builds import without_compiler
+from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 
 # float32: the same terms of each Walsh product summed in another order (butterflies against a dense product, one
 # multiply by H_P's entry at the end): measured 3.0-4.7e-7 of the largest output.
@@ -65,7 +64,7 @@ def test_compiled_graphs_of_many_float32_rows_call_the_kernel():
     assert (few - ref[:1, :kernels.REDUCE_MAX_ROWS]).abs().max() / ref.abs().max() <= F32_REL
     assert not cpu_hadamard.applies(x, m.d1)  # not compiling
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_hadamard, "compiling_for_cpu", lambda device: True)
+        mp.setattr(kernels, "compiling_for_cpu", lambda device: True)
         with torch.no_grad():
             assert cpu_hadamard.applies(x, m.d1)
             assert not cpu_hadamard.applies(x[:1, :kernels.REDUCE_MAX_ROWS], m.d1)
@@ -75,10 +74,7 @@ def test_compiled_graphs_of_many_float32_rows_call_the_kernel():
 
 
 def test_a_width_off_the_vector_width_builds_no_kernel(monkeypatch):
-    builds = []
-    monkeypatch.setattr(cpu_hadamard, "_build", lambda *key: builds.append(key))
-    monkeypatch.setattr(cpu_hadamard, "_built", {})
-    monkeypatch.setattr(cpu_hadamard, "_ready", {})
+    builds = recording_builds(monkeypatch, cpu_hadamard)
     cpu_hadamard.prepare(40, 64, torch.float32, CPU)  # D = 40: not a multiple of 16
     cpu_hadamard.prepare(48, 64, torch.bfloat16, CPU)  # float32 only
     assert builds == []
@@ -88,9 +84,5 @@ def test_a_width_off_the_vector_width_builds_no_kernel(monkeypatch):
 
 def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkeypatch):
     without_compiler(monkeypatch, cpu_hadamard)
-    with pytest.warns(kernels.KernelBuildWarning, match="no C[+][+] compiler"):
-        cpu_hadamard.prepare(48, 64, torch.float32, CPU)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cpu_hadamard.prepare(48, 64, torch.float32, CPU)  # tried once a process
+    assert_warns_once(lambda: cpu_hadamard.prepare(48, 64, torch.float32, CPU))
     assert cpu_hadamard._ready == {cpu_hadamard._key(48, 64): False}

@@ -5,7 +5,6 @@ upstream's prefill goldens: float32, causal, left pads, windows with sinks."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from convert.trees import flatten_tree, unflatten_tree
 from needle_torch import cpu_prefill, kernels
 from needle_torch.v2 import model as v2_model
 from needle_torch.v2.model import SimpleAttentionNetwork, dot_product_attention, make_decode_mask
-from tests.kernel_builds import without_compiler
+from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 from tests.v2.goldens import F32_REL
 
 # float32: the same logits, weights and products as SDPA's, summed in another order and normalised after p·v rather
@@ -117,7 +116,7 @@ def test_a_compiled_prefill_calls_the_kernel_and_reproduces_upstreams_prefill(mo
         assert rel(logits[:, p], g["f32/dec_prefill_logits"][:, p]) <= F32_REL, f"prefill position {p}"
     q, k, v, mask = inputs(1, 4, 2, 9, 9, 16, seed=0)
     assert not cpu_prefill.applies(q, k, True)  # not compiling
-    monkeypatch.setattr(cpu_prefill, "compiling_for_cpu", lambda device: True)
+    monkeypatch.setattr(kernels, "compiling_for_cpu", lambda device: True)
     with torch.no_grad():
         assert cpu_prefill.applies(q, k, True)
         assert not cpu_prefill.applies(q, k, False)
@@ -127,10 +126,7 @@ def test_a_compiled_prefill_calls_the_kernel_and_reproduces_upstreams_prefill(mo
 
 
 def test_a_head_dim_off_the_vector_width_or_bf16_builds_no_kernel(monkeypatch):
-    builds = []
-    monkeypatch.setattr(cpu_prefill, "_build", lambda *key: builds.append(key))
-    monkeypatch.setattr(cpu_prefill, "_built", {})
-    monkeypatch.setattr(cpu_prefill, "_ready", {})
+    builds = recording_builds(monkeypatch, cpu_prefill)
     cpu_prefill.prepare(2, 24, torch.float32, CPU)  # h = 24: not a multiple of 16
     cpu_prefill.prepare(2, 64, torch.bfloat16, CPU)  # float32 only
     assert builds == []
@@ -140,9 +136,5 @@ def test_a_head_dim_off_the_vector_width_or_bf16_builds_no_kernel(monkeypatch):
 
 def test_a_kernel_that_does_not_build_warns_once_and_keeps_sdpa(monkeypatch):
     without_compiler(monkeypatch, cpu_prefill)
-    with pytest.warns(kernels.KernelBuildWarning, match="no C[+][+] compiler"):
-        cpu_prefill.prepare(2, 64, torch.float32, CPU)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cpu_prefill.prepare(2, 64, torch.float32, CPU)  # tried once a process
+    assert_warns_once(lambda: cpu_prefill.prepare(2, 64, torch.float32, CPU))
     assert cpu_prefill._ready == {cpu_prefill._key(2, 64): False}

@@ -3,14 +3,12 @@ pin to upstream's (tests/v2/test_torch_model.py): float32 (n, n) routing logits,
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from needle_torch import cpu_sinkhorn, kernels
 from needle_torch.v2.lanes import SINKHORN_ITERS, sinkhorn
-from tests.kernel_builds import without_compiler
+from tests.kernel_builds import assert_warns_once, without_compiler
 
 # The same steps in the same order; the vector exp and log may differ from the library's in their last bit, and the
 # outputs are weights in [0, 1]: measured 1.2-2.4e-7 from eager.
@@ -45,7 +43,7 @@ def test_compiled_graphs_of_many_rows_call_the_kernel():
         assert calls == [10]  # one call over the 2 x 5 rows
         few = torch.compile(sinkhorn, fullgraph=True, dynamic=False)(z[:1, :kernels.REDUCE_MAX_ROWS])
         assert calls == [10]
-        mp.setattr(cpu_sinkhorn, "compiling_for_cpu", lambda device: True)
+        mp.setattr(kernels, "compiling_for_cpu", lambda device: True)
         assert cpu_sinkhorn.applies(z) and not cpu_sinkhorn.applies(z.double())
         with torch.enable_grad():
             assert not cpu_sinkhorn.applies(z)  # the op has no backward
@@ -55,9 +53,5 @@ def test_compiled_graphs_of_many_rows_call_the_kernel():
 
 def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkeypatch):
     without_compiler(monkeypatch, cpu_sinkhorn)
-    with pytest.warns(kernels.KernelBuildWarning, match="no C[+][+] compiler"):
-        cpu_sinkhorn.prepare(4, CPU)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cpu_sinkhorn.prepare(4, CPU)  # tried once a process
+    assert_warns_once(lambda: cpu_sinkhorn.prepare(4, CPU))
     assert cpu_sinkhorn._ready == {4: False}
