@@ -25,7 +25,8 @@ Targets (issue): batch 1 >= 10x the loop in float32 (>= 121 tok/s) and >= 50 % o
 >= 5x the rollout; prefill <= 412 ms at batch 1.
 
 Both CPU kinds in one run: every cell set runs in its own process, once on this CPU as it is and once as an AVX2-only
-CPU without bf16 units (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), and each bf16 cell set with both bf16
+CPU without bf16 units (AVX2_ENV: oneDNN and ATen capped at AVX2, and the compiled graphs and C++ kernels built as
+x86-64-v3 code, so with an AVX2 CPU's 16 vector registers), and each bf16 cell set with both bf16
 paths forced (--bf16-paths: a subset; NEEDLE_TWIN_BF16=native: library bf16 kernels, emulated where the CPU has no
 bf16 units; =upcast: float32 kernels on upcast operands), beside the path needle_torch.kernels.bf16_path() picks by
 itself. --f32-paths forces the float32 products of compiled graphs through oneDNN or the library (MKL), one
@@ -85,7 +86,10 @@ from needle_torch.v2 import SimpleAttentionNetwork  # noqa: E402
 UPSTREAM = {"loop_b1": 12.1, "prefill_ms": 412.0, "steps_b32": 69.0, "rollout_b32": 47.7}
 MODES = {"eager": False, "compiled": True, "compiled-all": "all", "traced": True}  # generate's compile argument
 DEFAULT_MODES = ["eager", "compiled", "compiled-all"]
-AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+# An AVX2-only CPU's code on this one. Without TORCHINDUCTOR_CPP_MARCH inductor builds with -march=native, and on an
+# AVX-512 CPU its 8-float AVX2 vectors still get EVEX encodings and 32 registers (the prefill attention kernel's code
+# used ymm16-31 in 105 instructions), which a real AVX2 CPU does not have.
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"}
 
 
 # Process-wide settings that move these figures without changing the code: OpenMP's wait policy (measured on a 2-core
