@@ -62,8 +62,12 @@ enum Slot {
 
 static inline float r(float x) { return static_cast<float>(static_cast<T>(x)); }  // round to SCALAR
 static inline Vec load(const float* p) { return Vec::loadu(p); }
+// W bf16 values widened to float32 from one plain load: the counted form loadu(p, W) of a Vectorized<BFloat16>
+// (2W lanes) copies through the stack on AVX2 (a memcpy, then a wider load that store forwarding cannot serve)
 static inline Vec load(const c10::BFloat16* p) {
-    return at::vec::convert<float>(at::vec::Vectorized<c10::BFloat16>::loadu(p, W));
+    Vec out;
+    at::vec::load_fp32_from_bf16(p, out);
+    return out;
 }
 static inline float hsum(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); }
 // round every lane to SCALAR (round to nearest even, as torch's casts); the identity in float32
