@@ -24,20 +24,22 @@ the step that ran (kernels, torch.compile or eager):
 Targets (issue): batch 1 >= 10x the loop in float32 (>= 121 tok/s) and >= 50 % of the bound in bf16; batch 32
 >= 5x the rollout; prefill <= 412 ms at batch 1.
 
-Both CPU kinds in one run: every cell set runs in its own process, once on this CPU as it is and once as an AVX2-only
-CPU without bf16 units (AVX2_ENV: oneDNN and ATen capped at AVX2, and the compiled graphs and C++ kernels built as
-x86-64-v3 code, so with an AVX2 CPU's 16 vector registers), and each bf16 cell set with both bf16
-paths forced (--bf16-paths: a subset; NEEDLE_TWIN_BF16=native: library bf16 kernels, emulated where the CPU has no
-bf16 units; =upcast: float32 kernels on upcast operands), beside the path needle_torch.kernels.bf16_path() picks by
-itself. --f32-paths forces the float32 products of compiled graphs through oneDNN or the library (MKL), one
-process each, beside the path needle_torch.kernels.f32_path() picks by the CPU's vendor. --heaps kept system runs
-each cell set with glibc's heap thresholds fixed (kernels.keep_heap, what generation does) and left alone. --v1
-adds Needle v1's torch cells from benchmarks/bench_generate.py (bf16 encode latency, compiled batch-1 decode end to
-end) on the same grid. Each process prints the CPU features it found and the paths that ran.
+Both CPU kinds in one run: every cell set runs in its own process, once on this CPU as it is and once as an
+AVX2-only CPU without bf16 units (AVX2_ENV: oneDNN and ATen capped at AVX2, and the compiled graphs and C++ kernels
+built as x86-64-v3 code, so with an AVX2 CPU's 16 vector registers), and each bf16 cell set with both bf16 paths
+forced (--bf16-paths: a subset; NEEDLE_TWIN_BF16=native: library bf16 kernels, emulated where the CPU has no bf16
+units; =upcast: float32 kernels on upcast operands; auto: neither forced, each kind taking the path
+needle_torch.kernels.bf16_path() picks there), each process printing the path that ran. --kinds runs one kind only
+(--kinds avx2 --bf16-paths auto: the AVX2-only CPU as generation would run there). --f32-paths forces the float32
+products of compiled graphs through oneDNN or the library (MKL), one process each, beside the path
+needle_torch.kernels.f32_path() picks by the CPU's vendor. --heaps kept system runs each cell set with glibc's heap
+thresholds fixed (kernels.keep_heap, what generation does) and left alone. --v1 adds Needle v1's torch cells from
+benchmarks/bench_generate.py (bf16 encode latency, compiled batch-1 decode end to end) on the same grid. Each
+process prints the CPU features it found and the paths that ran.
 
 Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
-       [--modes eager compiled compiled-all traced] [--bf16-paths native upcast] [--f32-paths onednn library]
-       [--heaps kept system] [--no-emulate] [--v1] [--new-tokens 64]
+       [--modes eager compiled compiled-all traced] [--bf16-paths native upcast auto] [--f32-paths onednn library]
+       [--heaps kept system] [--kinds this avx2] [--no-emulate] [--v1] [--new-tokens 64]
        [--prompt-len 256] [--upstream loop_b1=14.5 prefill_ms=267 ...]
 Run on an otherwise idle machine: the load average is printed before and after every process (2 shared cores:
 a busy neighbour makes multi-threaded figures meaningless).
@@ -283,9 +285,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
-    parser.add_argument("--bf16-paths", nargs="+", default=["native", "upcast"], choices=["native", "upcast"],
+    parser.add_argument("--bf16-paths", nargs="+", default=["native", "upcast"], choices=["native", "upcast", "auto"],
                         help="the bf16 paths to force, one process each (native is emulated, and slow, on a CPU "
-                             "without bf16 units)")
+                             "without bf16 units; auto forces none: kernels.bf16_path picks)")
     parser.add_argument("--f32-paths", nargs="+", default=[""], choices=["", "onednn", "library"],
                         help="the float32 product paths of compiled graphs to force (NEEDLE_TWIN_F32), one process "
                              "each; '' (the default) leaves the choice to kernels.f32_path")
@@ -295,6 +297,8 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=None,
                         help="rows up to which compiled steps take the C++ kernels (default cpu_decode.max_rows: "
                              "MAX_ROWS, TILE_MAX_ROWS for bf16 on AMX tiles): for measuring where they stop paying")
+    parser.add_argument("--kinds", nargs="+", default=["this", "avx2"], choices=["this", "avx2"],
+                        help="this CPU as it is, and/or an AVX2-only CPU (AVX2_ENV)")
     parser.add_argument("--no-emulate", dest="emulate", action="store_false", help="skip the AVX2-only runs")
     parser.add_argument("--v1", action="store_true", help="also Needle v1's torch encode and compiled decode")
     parser.add_argument("--upstream", nargs="+", default=[], metavar="KEY=VALUE",
@@ -310,7 +314,8 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; upstream's figures ({source}): {UPSTREAM}")
     print(f"runtime settings ({', '.join(RUNTIME_ENV)}): {runtime_settings(os.environ)}")
-    kinds = [("this CPU", {})] + ([("AVX2-only (emulated)", AVX2_ENV)] if args.emulate else [])
+    kinds = [(name, env) for key, name, env in (("this", "this CPU", {}), ("avx2", "AVX2-only (emulated)", AVX2_ENV))
+             if key in args.kinds and (key == "this" or args.emulate)]
     for kind, env in kinds:
         for dtype in args.dtype:
             paths = args.bf16_paths if dtype == "bfloat16" else [""]  # float32 takes no bf16 path
@@ -319,7 +324,7 @@ def main() -> None:
                     cells = [f"{dtype},{b},{m}" for b in args.batch for m in args.modes]
                     if args.v1 and dtype == "bfloat16":
                         cells.append("v1")
-                    res = spawn(cells, {**env, **({BF16_PATH_ENV: forced} if forced else {}),
+                    res = spawn(cells, {**env, **({BF16_PATH_ENV: forced} if forced not in ("", "auto") else {}),
                                         **({F32_PATH_ENV: f32} if f32 else {}),
                                         **({HEAP_ENV: "system"} if heap == "system" else {})}, args)
                     for line in report(kind, res, args.new_tokens):
