@@ -184,19 +184,20 @@ def _onednn_f32() -> bool:
 # values bit for bit there). So onednn_linear keeps a packed copy of every nn.Parameter it multiplies by at up to
 # PACK_MAX_ROWS rows, for the last row count seen, until the parameter dies, changes (version counter, storage) or
 # meets another row count. Only parameters: an intermediate's buffer can be rewritten by compiled code without its
-# version counter knowing. The copies cost the weights' size again (float32 at the published size: 138 weights,
-# 132 MB); prefills (more rows) use the plain weights. Batch-32 float32 compiled steps at the published size, packed
-# and plain alternating in one process (6 rounds, medians of 63 steps): 50.0-58.9 against 57.8-70.7 ms, faster in
-# every round, the same logits bit for bit.
+# version counter knowing. The copies cost the weights' size again (float32 at the published size: 138 weights, 132
+# MB; a bf16 model's on the upcast path, bf16_path, twice it: its copies are float32, so that its steps do not upcast
+# every weight again each call); prefills (more rows) use the plain weights. Batch-32 float32 compiled steps at the
+# published size, packed and plain alternating in one process (6 rounds, medians of 63 steps): 50.0-58.9 against
+# 57.8-70.7 ms, faster in every round, the same logits bit for bit.
 PACK_MAX_ROWS = 64
 # first parameter -> ((version, data_ptr) of each, weak references to the others, rows, packed weight)
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def packed_weight(ws: Tensor | Sequence[Tensor], rows: int) -> Tensor:
-    """The weights ws (each (O_i, I)) stacked along O, in oneDNN's layout for products of `rows` rows and kept for
-    reuse, where every one is a parameter and rows <= PACK_MAX_ROWS; else stacked plainly (one weight: itself,
-    contiguous). A stack's copy is renewed when any of its parameters changes or is another object."""
+    """The weights ws (each (O_i, I)) stacked along O as float32, in oneDNN's layout for products of `rows` rows and
+    kept for reuse, where every one is a parameter and rows <= PACK_MAX_ROWS; else stacked plainly (one float32
+    weight: itself, contiguous). A stack's copy is renewed when any of its parameters changes or is another object."""
     ws = (ws,) if isinstance(ws, Tensor) else tuple(ws)
     if rows > PACK_MAX_ROWS or not all(
             isinstance(w, nn.Parameter) and not w.is_inference() and w.is_contiguous() for w in ws):
@@ -211,15 +212,16 @@ def packed_weight(ws: Tensor | Sequence[Tensor], rows: int) -> Tensor:
 
 
 def _stack(ws: tuple[Tensor, ...]) -> Tensor:
-    """The weights stacked along the output axis, contiguous (one weight: itself, no copy where it is contiguous)."""
-    return ws[0].detach().contiguous() if len(ws) == 1 else torch.cat([w.detach() for w in ws])
+    """The weights stacked along the output axis, float32 and contiguous (one float32 weight: itself, no copy where
+    it is contiguous; bf16 weights, exactly upcast: see linear_f32)."""
+    return ws[0].detach().float().contiguous() if len(ws) == 1 else torch.cat([w.detach() for w in ws]).float()
 
 
 @torch.library.custom_op("needle_twin::onednn_linear", mutates_args=())
 def onednn_linear(x: Tensor, ws: list[Tensor], bias: Tensor | None = None) -> Tensor:
-    """x (R, I) @ [w_1; w_2; ...]ᵀ (+ bias (ΣO,)) -> (R, ΣO), float32, through oneDNN's matmul (see F32_PATH_ENV),
-    against a kept packed copy of the stacked weights at few rows (packed_weight). A custom op: inductor lowers
-    oneDNN's own linear only for frozen (constant) weights."""
+    """x (R, I) @ [w_1; w_2; ...]ᵀ (+ bias (ΣO,)) -> (R, ΣO), float32 (the weights float32, or bf16 upcast exactly),
+    through oneDNN's matmul (see F32_PATH_ENV), against a kept packed copy of the stacked weights at few rows
+    (packed_weight). A custom op: inductor lowers oneDNN's own linear only for frozen (constant) weights."""
     x = x.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(ws, x.shape[0]), bias, "none", [], "")
 
@@ -237,11 +239,13 @@ def takes_onednn(x: Tensor, w: Tensor) -> bool:
 
 
 def linear_f32(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., I) @ w (O, I)ᵀ (+ bias) -> (..., O) for float32 operands: onednn_linear where takes_onednn, else
-    F.linear."""
+    """x (..., I) @ w (O, I)ᵀ (+ bias) -> (..., O) for float32 x and bias, w float32 or bf16 (a bf16 product on the
+    upcast path, bf16_path: the weight upcast exactly): onednn_linear where takes_onednn, else F.linear. Through
+    onednn_linear a bf16 parameter's packed copy is float32, kept like a float32 one's, so that a compiled step does
+    not upcast its weights again each call."""
     if takes_onednn(x, w):
         return onednn_linear(x.reshape(-1, x.shape[-1]), [w], bias).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w, bias)
+    return F.linear(x, w.float(), bias)
 
 
 # ----------------------------------------------------------------------------- reductions under compile
@@ -300,7 +304,7 @@ class Linear(nn.Linear):
         if not as_reduction(x.shape[:-1].numel(), x.device):
             if upcasts(x.dtype, x.device) and self.weight.dtype == x.dtype:
                 bias = None if self.bias is None else self.bias.float()
-                return linear_f32(x.float(), self.weight.float(), bias).to(x.dtype)
+                return linear_f32(x.float(), self.weight, bias).to(x.dtype)
             if x.dtype == torch.float32 and self.weight.dtype == x.dtype:
                 return linear_f32(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
@@ -335,15 +339,17 @@ def _bare(layer: nn.Module) -> bool:
 # 56.1 against 58.4 ms (medians of 80 pairs, faster in 74 %); later runs on a busier host (steps 62-74 ms) could
 # not tell the two apart (faster in 50 % of the pairs).
 def shared_input(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
-    """[layer(x) for layer in layers], as one product of the stacked weights where the float32 products would each
-    take onednn_linear against a packed weight (a compiled CPU step of at most PACK_MAX_ROWS rows, more than
-    REDUCE_MAX_ROWS) and every layer is a bare Linear (_bare); else each layer's own call."""
+    """[layer(x) for layer in layers], as one product of the stacked weights where the float32 products (float32
+    layers, or bf16 ones on the upcast path) would each take onednn_linear against a packed weight (a compiled CPU
+    step of at most PACK_MAX_ROWS rows, more than REDUCE_MAX_ROWS) and every layer is a bare Linear (_bare); else
+    each layer's own call."""
     rows = x.shape[:-1].numel()
-    if (x.dtype == torch.float32 and REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS
-            and all(_bare(layer) and layer.weight.dtype == torch.float32 and takes_onednn(x, layer.weight)
+    f32 = x.dtype == torch.float32 or upcasts(x.dtype, x.device)
+    if (f32 and REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS
+            and all(_bare(layer) and layer.weight.dtype == x.dtype and takes_onednn(x, layer.weight)
                     for layer in layers)):
         ws = [layer.weight for layer in layers]
-        y = onednn_linear(x.reshape(-1, x.shape[-1]), ws).view(*x.shape[:-1], -1)
+        y = onednn_linear(x.float().reshape(-1, x.shape[-1]), ws).to(x.dtype).view(*x.shape[:-1], -1)
         return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [layer(x) for layer in layers]
 

@@ -885,6 +885,40 @@ def test_projections_of_one_input_share_one_product_only_where_it_applies(monkey
         assert y.dtype == torch.float32 and ((y.double() - want).abs() <= bound).all()
 
 
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_upcast_bf16_products_of_a_compiled_step_keep_float32_packed_weights(monkeypatch, upcast):
+    """On the upcast path (no bf16 units), a compiled CPU step's bf16 weight products (a Linear alone, and the
+    stacked products of shared_input) call onednn_linear with the bf16 parameters themselves, which keeps float32
+    packed copies of them (kernels._PACKED, under each product's first parameter) rather than the graph upcasting
+    every weight again each call. Each output is the float32 product of the exactly upcast operands rounded once to
+    bf16: within the float32 worst-case bound of float64 plus bf16's rounding, 2⁻⁸ of the value (8 significant
+    bits, round to nearest: half an ulp, at most 2⁻⁸ relative)."""
+    monkeypatch.setattr(kernels, "_onednn_f32", lambda: True)
+    monkeypatch.setattr(kernels, "_PACKED", WeakIdKeyDictionary())
+    torch.manual_seed(3)
+    alone = kernels.Linear(96, 40, bias=False).bfloat16()
+    layers = [kernels.Linear(96, o, bias=False).bfloat16() for o in (64, 32, 32)]
+    x = torch.randn(2, 16, 96).bfloat16()  # 32 rows: a batch-32 step
+    seen: list[str] = []
+
+    def backend(gm, inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._inductor.compile(gm, inputs)
+
+    def step(x):
+        return [alone(x), *kernels.shared_input(x, layers)]
+
+    with torch.no_grad():
+        got = torch.compile(step, backend=backend, fullgraph=True)(x)
+    assert sum("needle_twin.onednn_linear" in t for t in seen) == 2, seen
+    for first in (alone.weight, layers[0].weight):
+        assert kernels._PACKED[first][2] == 32 and kernels._PACKED[first][3].dtype == torch.float32
+    for y, layer in zip(got, [alone, *layers], strict=True):
+        want = x.double() @ layer.weight.double().T
+        bound = f32_sum_bound(x.reshape(-1, 96), layer.weight, None).view(want.shape) + 2.0 ** -8 * want.abs()
+        assert y.dtype == torch.bfloat16 and ((y.double() - want).abs() <= bound).all()
+
 @pytest.mark.slow
 @OTHER_GRAPHS
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
