@@ -238,6 +238,11 @@ def takes_onednn(x: Tensor, w: Tensor) -> bool:
         torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
 
 
+def f32_product(x: Tensor, w: Tensor) -> bool:
+    """Whether x @ wᵀ runs as a float32 product (linear_f32): float32 operands, or bf16 ones on the upcast path."""
+    return w.dtype == x.dtype and (x.dtype == torch.float32 or upcasts(x.dtype, x.device))
+
+
 def linear_f32(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., I) @ w (O, I)ᵀ (+ bias) -> (..., O) for float32 x and bias, w float32 or bf16 (a bf16 product on the
     upcast path, bf16_path: the weight upcast exactly): onednn_linear where takes_onednn, else F.linear. Through
@@ -302,11 +307,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if not as_reduction(x.shape[:-1].numel(), x.device):
-            if upcasts(x.dtype, x.device) and self.weight.dtype == x.dtype:
+            if f32_product(x, self.weight):
                 bias = None if self.bias is None else self.bias.float()
                 return linear_f32(x.float(), self.weight, bias).to(x.dtype)
-            if x.dtype == torch.float32 and self.weight.dtype == x.dtype:
-                return linear_f32(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         y = matmul_nt(x[..., None, :], self.weight, torch.float32, reduce=True)[..., 0, :]  # (..., O) float32
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
@@ -344,9 +347,8 @@ def shared_input(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
     step of at most PACK_MAX_ROWS rows, more than REDUCE_MAX_ROWS) and every layer is a bare Linear (_bare); else
     each layer's own call."""
     rows = x.shape[:-1].numel()
-    f32 = x.dtype == torch.float32 or upcasts(x.dtype, x.device)
-    if (f32 and REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS
-            and all(_bare(layer) and layer.weight.dtype == x.dtype and takes_onednn(x, layer.weight)
+    if (REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS
+            and all(_bare(layer) and f32_product(x, layer.weight) and takes_onednn(x, layer.weight)
                     for layer in layers)):
         ws = [layer.weight for layer in layers]
         y = onednn_linear(x.float().reshape(-1, x.shape[-1]), ws).to(x.dtype).view(*x.shape[:-1], -1)
