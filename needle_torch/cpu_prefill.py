@@ -1,10 +1,13 @@
-"""Torch-only speed code: a cached prefill's causal attention in float32 as one C++ kernel, for compiled CPU graphs.
+"""Torch-only speed code: a cached prefill's causal attention as one C++ kernel, for compiled CPU graphs.
 
 The kernel (csrc/prefill_attention.cpp) computes what model.dot_product_attention computes for a causal float32
 prefill through SDPA in blocks of queries (model.cpu_prefill_blocks): per block the keys up to its last query, logits
 q·kᵀ/√h plus the additive mask (0 or float32's lowest), softmax, p·v; the weights normalised after p·v, the same
-function up to the order of the float32 operations. It is built through inductor's own C++ toolchain and cache,
-once per (query heads per kv head, head dim), and enters compiled graphs as the custom op
+function up to the order of the float32 operations. Its bf16 build computes the twin's bf16 flash attention (float32
+logits and softmax of the bf16 q and k, the weights rounded to bf16, p·v summed in float32 and rounded once), for
+compiled bf16 prefills where the CPU has no bf16 units (kernels.upcasts), which would otherwise run it as float32
+library products on upcast copies over every key of every query. It is built through inductor's own C++ toolchain
+and cache, once per (dtype, query heads per kv head, head dim), and enters compiled graphs as the custom op
 `needle_twin::prefill_attention`.
 
 Why: torch's CPU flash kernel runs a prefill block's shapes (32 queries, a few hundred keys, head dim 64) at about a
@@ -15,6 +18,11 @@ of a 2-core Zen 4 EPYC, 8 prompts of 256 tokens (a prefill chunk's layer): 5.4 a
 registers (32 with AVX-512, 16 in AVX2 code); as an AVX2-only CPU builds it (ONEDNN_MAX_CPU_ISA=AVX2
 ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CPP_MARCH=x86-64-v3: 8-float vectors, 16 registers) the same layer took
 6.8-7.4 against 7.6-8.3 ms for SDPA's blocks (eager, each building its bias; medians of 60, three processes).
+bf16 as AVX2 code, the same layer compiled, medians of 30 alternating in one process: 6.6-7.4 ms against 18.4-19.3
+for the explicit attention on upcast copies; the batch-32 bf16 prefill (compiled-all) 4.45-4.51 against 6.31 s,
+processes alternating. On a CPU with bf16 units a compiled bf16 prefill keeps SDPA's fused bf16 kernel: with this
+kernel instead, the same Zen 4's batch-32 prefill measured alike (2.72-2.89 against 2.88-2.89 s), and SDPA's bf16
+products can use AMX tiles where a CPU has them.
 """
 
 from __future__ import annotations
@@ -25,38 +33,49 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import build_once, cpp_kernel, graph_calls
+from needle_torch.kernels import build_once, cpp_kernel, graph_calls, upcasts
 
 # The head dim must fill whole float vectors (the kernel's static_assert): 16 lanes with AVX-512, 8 with AVX2.
 HEAD_MULTIPLE = 16
 _SOURCE = Path(__file__).with_name("csrc") / "prefill_attention.cpp"
-_built: dict[str, object] = {}  # _key(group, head) -> the kernel
+_SCALARS = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
+_built: dict[str, object] = {}  # _key(group, head, dtype) -> the kernel
 _ready: dict[str, bool] = {}  # the same keys -> built (False: it did not); plain values, which compiled graphs guard on
 
 
-def _key(group: int, head: int) -> str:
-    return f"{group}/{head}"
+def _key(group: int, head: int, dtype: torch.dtype = torch.float32) -> str:
+    return f"{group}/{head}/{'bf16' if dtype == torch.bfloat16 else 'f32'}"  # traced code: no dict lookup on a dtype
 
 
-def _build(group: int, head: int):
-    argtypes = ["const float*"] * 4 + ["float*"] + ["int64_t"] * 6 + ["float", "int64_t"]
-    return cpp_kernel(_SOURCE, (("GROUP", group), ("HEAD", head)), argtypes)
+def _build(group: int, head: int, dtype: torch.dtype):
+    scalar = _SCALARS[dtype]
+    argtypes = [f"const {scalar}*"] * 3 + ["const float*", f"{scalar}*"] + ["int64_t"] * 6 + ["float", "int64_t"]
+    return cpp_kernel(_SOURCE, (("SCALAR", scalar), ("GROUP", group), ("HEAD", head)), argtypes)
+
+
+def _takes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether compiled prefills in `dtype` on `device` call the kernel: float32, and bf16 where the CPU has no bf16
+    units (kernels.upcasts: there the twin's bf16 attention would run as float32 library products on upcast copies,
+    over every key of every query; with bf16 units a compiled bf16 prefill takes SDPA's fused bf16 kernel)."""
+    return device.type == "cpu" and (dtype == torch.float32 or upcasts(dtype, device))
 
 
 def prepare(group: int, head: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Build the kernel compiled float32 prefills with these heads will call (before compiling: the build runs
-    eagerly, and a failure leaves SDPA in place with one kernels.KernelBuildWarning)."""
-    if device.type != "cpu" or dtype != torch.float32 or head % HEAD_MULTIPLE:
+    """Build the kernel compiled prefills with these heads in `dtype` will call (before compiling: the build runs
+    eagerly, and a failure leaves SDPA or the explicit attention in place with one kernels.KernelBuildWarning)."""
+    if not _takes(dtype, device) or head % HEAD_MULTIPLE:
         return
-    build_once(_key(group, head), lambda: _build(group, head), _built, _ready, "CPU prefill attention kernel",
-               "compiled prefills use SDPA (same function, slower)")
+    build_once(_key(group, head, dtype), lambda: _build(group, head, dtype), _built, _ready,
+               "CPU prefill attention kernel", "compiled prefills keep the torch attention (same function, slower)")
 
 
-def applies(q: Tensor, k: Tensor, causal: bool) -> bool:
+def applies(q: Tensor, k: Tensor, causal: bool, flash: bool = True) -> bool:
     """Whether this attention (q (B, H, T, h), k (B, K, S, h)) runs through the kernel: causal (the T queries the
-    last T of the S keys), a compiled CPU graph, float32, inference, a built kernel."""
+    last T of the S keys), a compiled CPU graph, inference, float32 (either path: they are one function) or bf16's
+    flash path where the CPU has no bf16 units (see _takes), a built kernel."""
     H, h = q.shape[1], q.shape[3]
-    return causal and q.dtype == torch.float32 == k.dtype and graph_calls(q.device, _ready, _key(H // k.shape[1], h))
+    return (causal and q.dtype == k.dtype and _takes(q.dtype, q.device) and (flash or q.dtype == torch.float32)
+            and graph_calls(q.device, _ready, _key(H // k.shape[1], h, q.dtype)))
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -66,25 +85,26 @@ def _rows(t: Tensor) -> Tensor:
 
 @torch.library.custom_op("needle_twin::prefill_attention", mutates_args=())
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, qblock: int) -> Tensor:
-    """q (B, T, H, h), k and v (B, K, S, h), bias (B, T, S), all float32 -> (B, T, H, h): query t attends the keys
-    up to S - T + t with the additive bias, in blocks of `qblock` queries (prepare() first)."""
+    """q (B, T, H, h), k and v (B, K, S, h) in one dtype (float32 or bf16), bias (B, T, S) float32 -> (B, T, H, h) in
+    q's dtype: query t attends the keys up to S - T + t with the additive bias, in blocks of `qblock` queries
+    (prepare() first)."""
     B, T, H, h = q.shape
     K, S = k.shape[1], k.shape[2]
     k, v = _rows(k), _rows(v)
     if k.stride()[:2] != v.stride()[:2]:
         k, v = k.contiguous(), v.contiguous()
-    out = torch.empty(q.shape, dtype=torch.float32)
-    _built[_key(H // K, h)](q.contiguous(), k, v, bias.expand(B, T, S).contiguous(), out, B, K, T, S, k.stride(0),
-                            k.stride(1), 1 / math.sqrt(h), qblock)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    _built[_key(H // K, h, q.dtype)](q.contiguous(), k, v, bias.float().expand(B, T, S).contiguous(), out, B, K, T, S,
+                                     k.stride(0), k.stride(1), 1 / math.sqrt(h), qblock)
     return out
 
 
 @prefill_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, qblock: int) -> Tensor:
-    return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, qblock: int) -> Tensor:
-    """q (B, H, T, h), k and v (B, K, S, h), bias (B|1, 1, T, S) -> (B, H, T, h) through the kernel (a view of its
-    (B, T, H, h) output, which the attention's output projection reads as it is)."""
+    """q (B, H, T, h), k and v (B, K, S, h), float32 bias (B|1, 1, T, S) -> (B, H, T, h) through the kernel (a view of
+    its (B, T, H, h) output, which the attention's output projection reads as it is)."""
     return prefill_attention(q.transpose(1, 2), k, v, bias[:, 0], qblock).transpose(1, 2)

@@ -1,10 +1,14 @@
-// Causal prefill attention on CPU in float32: the T queries of each row are the last T of its S cached keys, and each
-// block of `qblock` queries reads only the keys up to its last query. SDPA's float32 arithmetic with an additive mask
-// (model.dot_product_attention, NEEDLE_V2.md §3.4): logits q·kᵀ·scale + bias (the bias 0 or float32's lowest, so a
-// masked logit is exactly the lowest and a fully masked query a uniform average over its block's keys, as SDPA over
-// the same keys gives), softmax, p·v; here the weights are normalised after p·v (one multiply by 1/Σ per output),
-// the same function up to the order of the float32 operations. Built by needle_torch/cpu_prefill.py through inductor's
-// C++ toolchain, with these defined in front: GROUP (query heads per kv head, consecutive) and HEAD (head dim).
+// Causal prefill attention on CPU: the T queries of each row are the last T of its S cached keys, and each block of
+// `qblock` queries reads only the keys up to its last query. SDPA's float32 arithmetic with an additive mask
+// (model.dot_product_attention, NEEDLE_V2.md §3.4): logits q·kᵀ·scale + bias (the bias 0 or a large finite negative,
+// so a masked logit is exactly the bias and a fully masked query a uniform average over its block's keys, as SDPA
+// over the same keys gives), softmax, p·v; in float32 the weights are normalised after p·v (one multiply by 1/Σ per
+// output), the same function up to the order of the float32 operations. In bf16 (SCALAR c10::BFloat16) it is the
+// twin's bf16 flash attention: q, k, v widened to float32 (exact), float32 logits and softmax (the weights times
+// 1/Σ), the weights rounded to bf16 before p·v (as eager's probabilities cast to v's dtype), p·v summed in float32
+// and rounded once to bf16. Built by needle_torch/cpu_prefill.py through inductor's C++ toolchain, with these
+// defined in front: SCALAR (float or c10::BFloat16: q, k, v and out; the bias is float32), GROUP (query heads per
+// kv head, consecutive) and HEAD (head dim).
 //
 // Why: torch's CPU flash kernel runs these shapes (32 queries, up to a few hundred keys, head dim 64) at about a third
 // of the CPU's float32 peak. Here each (row, kv head) transposes its keys once; every block computes its logits as
@@ -16,6 +20,7 @@
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
@@ -33,9 +38,26 @@ constexpr int64_t QR = 6, PR = 4, PC = 2;
 static_assert(HEAD % Vec::size() == 0, "head dim must be a multiple of the vector width");
 static_assert(J % PC == 0, "a p·v tile's vectors must divide the head dim's");
 
-extern "C" void kernel(const float* q, const float* k, const float* v, const float* bias, float* out, int64_t B,
-                       int64_t K, int64_t T, int64_t S, int64_t kv_b, int64_t kv_k, float scale,
-                       int64_t qblock) {
+// n values (a multiple of W) as float32, exactly; bf16 through one plain 16-byte load per vector (the counted
+// Vectorized<BFloat16> load copies through the stack on AVX2)
+template <class U>
+static inline void widen(const U* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += W) {
+        if constexpr (!std::is_same_v<U, float>) {
+            Vec x;
+            at::vec::load_fp32_from_bf16(src + i, x);
+            x.store(dst + i);
+        } else {
+            Vec::loadu(src + i).store(dst + i);
+        }
+    }
+}
+
+// U: SCALAR (a template, so that each branch on it is compiled for its own type only)
+template <class U>
+static void attend(const U* q, const U* k, const U* v, const float* bias, U* out, int64_t B, int64_t K, int64_t T,
+                   int64_t S, int64_t kv_b, int64_t kv_k, float scale, int64_t qblock) {
+    constexpr bool BF16 = !std::is_same_v<U, float>;
     const int64_t Sp = (S + KB - 1) / KB * KB;  // keys padded to whole tiles (the padding is never read as a weight)
     const int64_t rows_max = qblock * G;
     #pragma omp parallel
@@ -44,11 +66,22 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const flo
         std::vector<float> s(rows_max * Sp);    // a block's logits, then its unnormalised weights
         std::vector<float> inv(rows_max);
         std::vector<const float*> qrow(rows_max);
+        // bf16: this (row, kv head)'s keys and values and a block's queries widened to float32
+        std::vector<float> kf(BF16 ? S * H : 0), vf(BF16 ? S * H : 0), qf(BF16 ? rows_max * H : 0);
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < B * K; ++u) {
             const int64_t b = u / K, kk = u % K;
-            const float* ku = k + b * kv_b + kk * kv_k;
-            const float* vu = v + b * kv_b + kk * kv_k;
+            const float* ku;
+            const float* vu;
+            if constexpr (BF16) {
+                widen(k + b * kv_b + kk * kv_k, kf.data(), S * H);
+                widen(v + b * kv_b + kk * kv_k, vf.data(), S * H);
+                ku = kf.data();
+                vu = vf.data();
+            } else {
+                ku = k + b * kv_b + kk * kv_k;
+                vu = v + b * kv_b + kk * kv_k;
+            }
             at::vec::transpose_mxn<float>(ku, H, kt.data(), Sp, S, H);
             for (int64_t j = S; j < Sp; ++j)
                 for (int64_t d = 0; d < H; ++d) kt[d * Sp + j] = 0.f;
@@ -56,8 +89,15 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const flo
                 const int64_t nt = std::min<int64_t>(qblock, T - a), R = nt * G;
                 const int64_t kend = S - T + a + nt;  // keys [0, kend) of this block: up to its last query's
                 const int64_t kpad = (kend + KB - 1) / KB * KB;
-                for (int64_t r = 0; r < R; ++r)  // row r: query a + r / G, head kk·G + r % G
-                    qrow[r] = q + ((b * T + a + r / G) * K * G + kk * G + r % G) * H;
+                for (int64_t r = 0; r < R; ++r) {  // row r: query a + r / G, head kk·G + r % G
+                    const U* qr = q + ((b * T + a + r / G) * K * G + kk * G + r % G) * H;
+                    if constexpr (BF16) {
+                        widen(qr, qf.data() + r * H, H);
+                        qrow[r] = qf.data() + r * H;
+                    } else {
+                        qrow[r] = qr;
+                    }
+                }
                 // logits, tiles of QR rows x KB keys over the head dim
                 for (int64_t r0 = 0; r0 < R; r0 += QR) {
                     const float* qr[QR];
@@ -107,8 +147,17 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const flo
                     float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
                     for (; j < kend; ++j) { sr[j] = std::exp(sr[j] - mx); sum += sr[j]; }
                     inv[r] = 1.f / sum;
+                    if constexpr (BF16) {  // the weights e·(1/Σ) rounded to bf16 (to nearest even), before p·v
+                        const Vec vi(inv[r]);
+                        for (j = 0; j + W <= kend; j += W) {
+                            const Vec p = Vec::loadu(sr + j) * vi;
+                            std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(p, p)))
+                                .store(sr + j);
+                        }
+                        for (; j < kend; ++j) sr[j] = static_cast<float>(static_cast<U>(sr[j] * inv[r]));
+                    }
                 }
-                // p·v, tiles of PR rows x PC vectors of the head dim, then the 1/Σ
+                // p·v, tiles of PR rows x PC vectors of the head dim, then the 1/Σ (float32) or a rounding to bf16
                 for (int64_t r0 = 0; r0 < R; r0 += PR) {
                     const int64_t nr = std::min<int64_t>(PR, R - r0);
                     const float* pr[PR];
@@ -127,13 +176,23 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const flo
                         }
                         for (int64_t i = 0; i < nr; ++i) {
                             const int64_t r = r0 + i;
-                            float* o = out + ((b * T + a + r / G) * K * G + kk * G + r % G) * H + c0 * W;
-                            const Vec f(inv[r]);
-                            for (int64_t c = 0; c < PC; ++c) (acc[i][c] * f).store(o + c * W);
+                            U* o = out + ((b * T + a + r / G) * K * G + kk * G + r % G) * H + c0 * W;
+                            if constexpr (BF16) {
+                                for (int64_t c = 0; c < PC; ++c)
+                                    at::vec::convert_float_bfloat16(acc[i][c], acc[i][c]).store(o + c * W, W);
+                            } else {
+                                const Vec f(inv[r]);
+                                for (int64_t c = 0; c < PC; ++c) (acc[i][c] * f).store(o + c * W);
+                            }
                         }
                     }
                 }
             }
         }
     }
+}
+
+extern "C" void kernel(const SCALAR* q, const SCALAR* k, const SCALAR* v, const float* bias, SCALAR* out, int64_t B,
+                       int64_t K, int64_t T, int64_t S, int64_t kv_b, int64_t kv_k, float scale, int64_t qblock) {
+    attend<SCALAR>(q, k, v, bias, out, B, K, T, S, kv_b, kv_k, scale, qblock);
 }

@@ -1,11 +1,14 @@
-"""The C++ prefill attention (needle_torch/cpu_prefill.py) against the twin's own attention through SDPA's query
-blocks (model.dot_product_attention), against a float64 numpy attention, and inside a compiled prefill against
-upstream's prefill goldens: float32, causal, left pads, windows with sinks."""
+"""The C++ prefill attention (needle_torch/cpu_prefill.py) against the twin's own attention
+(model.dot_product_attention: SDPA's query blocks in float32, the explicit bf16 flash attention on the upcast path),
+against a float64 numpy attention, and inside compiled prefills against upstream's goldens: float32 and bf16, causal,
+left pads, windows with sinks."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -21,6 +24,12 @@ from tests.v2.goldens import F32_REL
 # float32: the same logits, weights and products as SDPA's, summed in another order and normalised after p·v rather
 # than before: measured 2.4-4.8e-7 of the largest output (O(1) values, up to a few hundred keys).
 KERNEL_REL = 1e-6
+# bf16: the same float32 logits and softmax as the eager bf16 flash path, the weights and outputs rounded to bf16 at
+# the same places; only the order of the float32 sums differs, which can move a value across a bf16 rounding
+# boundary: one bf16 ulp at the largest output, in at most 0.1 % of the outputs (measured 0: bit for bit on these
+# cases; the weights left unrounded move 35-40 % of them).
+BF16_ULP_REL = 2.0 ** -8
+BF16_OFF = 1e-3
 CPU = torch.device("cpu")
 DATA = "tests/data/"
 
@@ -71,6 +80,12 @@ CASES = {  # (B, H, K, T, S, h, pads, window, sinks)
 }
 
 
+@pytest.fixture
+def upcast(monkeypatch):
+    """This process's bf16 products through the upcast path (a CPU without bf16 units), whatever the CPU."""
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: False)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_kernel_is_the_twins_blocked_attention(case):
     """The kernel against model.dot_product_attention's SDPA blocks (eager, causal), everywhere, the fully masked
@@ -90,6 +105,34 @@ def test_the_kernel_is_the_twins_blocked_attention(case):
     exact = numpy_attention(q, k, v, mask)
     for b in range(B):
         assert rel(out[b][:, seen[b]], exact[b][:, seen[b].numpy()]) <= KERNEL_REL, f"row {b}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_bf16_kernel_is_the_twins_bf16_flash_attention(case, upcast):
+    """bf16 on the upcast path: the kernel against model.dot_product_attention's eager bf16 flash attention (float32
+    logits and softmax of the bf16 q, k; weights rounded to bf16; p·v rounded once) within one bf16 ulp, and against
+    float64 numpy on the same bf16 values within the two roundings' bound: each weight off by at most 2⁻⁹ of itself
+    (so the sum by 2⁻⁹·max|v|), the output by 2⁻⁹ of itself, plus float32's 1e-5·max|v| for the rest. Queries that
+    see no key are left out: a causal prefill has none (pad queries see themselves), and the eager path averages
+    such a query over all keys where the kernel, like the float32 blocks, averages over its block's."""
+    B, H, K, T, S, h, pads, window, sinks = CASES[case]
+    q, k, v, mask = (x.bfloat16() if x.is_floating_point() else x
+                     for x in inputs(B, H, K, T, S, h, seed=len(case), pads=pads, window=window, sinks=sinks))
+    cpu_prefill.prepare(H // K, h, torch.bfloat16, CPU)
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, v2_model.FLASH_NEG)
+    with torch.no_grad():
+        out = cpu_prefill.attend(q, k, v, bias, v2_model.QUERY_BLOCK)
+        ref = dot_product_attention(q, k, v, mask, True, causal=True)
+    assert out.shape == ref.shape == q.shape and out.dtype == ref.dtype == torch.bfloat16
+    seen = mask[:, 0].any(-1)  # (B, T)
+    exact = torch.from_numpy(numpy_attention(q, k, v, mask))
+    for b in range(B):
+        got, want, x = out[b][:, seen[b]], ref[b][:, seen[b]], exact[b][:, seen[b]]
+        assert rel(got, want) <= BF16_ULP_REL, f"row {b}"
+        assert float((got != want).float().mean()) <= BF16_OFF, f"row {b}"
+        vmax = float(v[b].double().abs().max())
+        bound = 2.0 ** -9 * (vmax + x.abs()) + 1e-5 * vmax
+        assert bool(((got.double() - x).abs() <= bound).all()), f"row {b}"
 
 
 def test_a_compiled_prefill_calls_the_kernel_and_reproduces_upstreams_prefill(monkeypatch):
@@ -119,22 +162,60 @@ def test_a_compiled_prefill_calls_the_kernel_and_reproduces_upstreams_prefill(mo
     monkeypatch.setattr(kernels, "compiling_for_cpu", lambda device: True)
     with torch.no_grad():
         assert cpu_prefill.applies(q, k, True)
+        assert cpu_prefill.applies(q, k, True, flash=False)  # float32: upstream's two paths are one function
         assert not cpu_prefill.applies(q, k, False)
-        assert not cpu_prefill.applies(q.bfloat16(), k.bfloat16(), True)
+        monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
+        assert not cpu_prefill.applies(q.bfloat16(), k.bfloat16(), True)  # bf16 units: SDPA's fused bf16 kernel
     with torch.enable_grad():
         assert not cpu_prefill.applies(q, k, True)  # the op has no backward
 
 
-def test_a_head_dim_off_the_vector_width_or_bf16_builds_no_kernel(monkeypatch):
+def test_a_compiled_bf16_prefill_without_bf16_units_calls_the_kernel_and_keeps_upstreams_logits(monkeypatch, upcast):
+    """The compiled bf16 prefill of the tiny fixture on the upcast path calls the bf16 kernel once per layer, and its
+    last position's logits are upstream's first bf16 run-loop logits within the budget the eager bf16 twin is held
+    to there (1.1 x the fixture's eager-vs-jit gap, abs: this twin is upstream's eager bf16 pass). bf16's other
+    attention path (non-flash, f32 output) keeps the torch form."""
+    ckpt = read_checkpoint(DATA + "needle-v2-tiny.pkl")
+    g = np.load(DATA + "needle-v2-tiny.npz")
+    budget = 1.1 * json.loads(str(g["meta_json"]))["checks"]["bf16_eager_vs_scan_logits"]
+    bf16 = {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16) for k, v in flatten_tree(ckpt.params).items()}
+    model = SimpleAttentionNetwork.from_flax(unflatten_tree(bf16), ckpt.config)
+    cfg = ckpt.config
+    cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, CPU)
+    key = cpu_prefill._key(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    calls = []
+    real = cpu_prefill._built[key]
+    monkeypatch.setattr(cpu_prefill, "_built", {key: lambda *a: (calls.append(a[7]), real(*a))})
+    prompts = torch.from_numpy(g["dec_prompt"]).long()
+    with torch.no_grad():
+        cache = model.new_cache(prompts.shape[0], prompts.shape[1] + 1)
+        torch._dynamo.reset()
+        logits = torch.compile(lambda p, c: model.decode_step(p, c, 0), fullgraph=True)(prompts, cache)
+    assert calls == [prompts.shape[1]] * cfg.num_layers
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    err = float(np.abs(logits[0, -1].numpy() - g["bf16/rec_logits"][0, 0]).max())
+    assert err <= budget, f"{err:.4g} > {budget:.4g}"
+    q, k, _, _ = inputs(1, 4, 2, 9, 9, 16, seed=0)
+    monkeypatch.setattr(kernels, "compiling_for_cpu", lambda device: True)
+    with torch.no_grad():
+        assert cpu_prefill.applies(q.bfloat16(), k.bfloat16(), True)
+        assert not cpu_prefill.applies(q.bfloat16(), k.bfloat16(), True, flash=False)
+
+
+def test_a_head_dim_off_the_vector_width_or_bf16_with_bf16_units_builds_no_kernel(monkeypatch):
     builds = recording_builds(monkeypatch, cpu_prefill)
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
     cpu_prefill.prepare(2, 24, torch.float32, CPU)  # h = 24: not a multiple of 16
-    cpu_prefill.prepare(2, 64, torch.bfloat16, CPU)  # float32 only
+    cpu_prefill.prepare(2, 64, torch.bfloat16, CPU)  # bf16 units: SDPA's fused bf16 kernel
     assert builds == []
     cpu_prefill.prepare(2, 64, torch.float32, CPU)
-    assert builds == [(2, 64)]
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: False)
+    cpu_prefill.prepare(2, 24, torch.bfloat16, CPU)
+    cpu_prefill.prepare(2, 64, torch.bfloat16, CPU)
+    assert builds == [(2, 64, torch.float32), (2, 64, torch.bfloat16)]
 
 
 def test_a_kernel_that_does_not_build_warns_once_and_keeps_sdpa(monkeypatch):
     without_compiler(monkeypatch, cpu_prefill)
     assert_warns_once(lambda: cpu_prefill.prepare(2, 64, torch.float32, CPU))
-    assert cpu_prefill._ready == {cpu_prefill._key(2, 64): False}
+    assert cpu_prefill._ready == {cpu_prefill._key(2, 64, torch.float32): False}
