@@ -48,10 +48,18 @@ constexpr int64_t PREFETCH = 2048;
 // float32 1 vector 3.5-4.2 against 5.3-6.2 interleaved, 4 vectors 4.2-5.4 against 6.5-8.1, 8 vectors 6.3-7.1
 // against 8.5-10.0, 16 vectors 14.4-14.7 against 12.4 (hence SEQ_VECTORS); bf16 dot products 1 vector 1.9-2.2
 // against 3.3-4.1, 16 vectors 4.9-6.3 against 7.0-7.4. The sums are the same either way (one float32 accumulator
-// per output, over the row in vector steps). The Xeon figures above (PREFETCH) were taken with the interleaved order
-// alone; this one has not been timed there.
+// per output over the row in vector steps; ONE_ACCS of them for one input vector, in the sequential order only).
+// The Xeon figures above (PREFETCH) were taken with the interleaved order alone; this one has not been timed there.
 constexpr int64_t ROW_PREFETCH = 4096;
 constexpr int64_t SEQ_VECTORS = 8;
+// A product of one input vector sums each row into ONE_ACCS float32 accumulators, every ONE_ACCS-th vector step in
+// each, then adds them: with one, each step waits for the last one's fused multiply-add (4 cycles on Zen 4), which
+// bounds the bf16 upcast loads. Published size as AVX2 code (x86-64-v3, ATen and oneDNN capped at AVX2) on a 2-core
+// Zen 4 EPYC, batch-1 compiled steps, processes alternating (decode tok/s): bf16 297.3-316.9 with 2, 304.9-306.1
+// with 4, against 263.7-277.0 with 1; float32 alike (180.7-210.4, 183.8-191.9, 186.5-201.8: memory bound). Its own
+// AVX-512 code, bf16 on the upcast path: bf16 309.3-340.7 against 316.7-318.8, float32 234.1-245.3 against
+// 195.4-212.5, 2 against 1.
+constexpr int64_t ONE_ACCS = 2;
 
 // the parameters' places in the pointer table (needle_torch/cpu_decode.py's TABLE, same order)
 enum Slot {
@@ -132,6 +140,22 @@ static void rows4(const Seg& sg, int64_t o, int64_t I) {
     if (sg.nb <= SEQ_VECTORS) {
         for (int64_t k = 0; k < rows; ++k) {
             const T* wk = r0 + k * I;
+            if (sg.nb == 1) {  // ONE_ACCS accumulators along the row, then their sum
+                Vec acc[ONE_ACCS];
+                for (int64_t a = 0; a < ONE_ACCS; ++a) acc[a] = Vec(0);
+                int64_t i = 0;
+                for (; i + ONE_ACCS * W <= I; i += ONE_ACCS * W) {
+                    for (int64_t a = 0; a < ONE_ACCS; ++a) {
+                        if (((i + a * W) * int64_t(sizeof(T))) % 64 == 0)
+                            _mm_prefetch(reinterpret_cast<const char*>(wk + i + a * W) + ROW_PREFETCH, _MM_HINT_T2);
+                        acc[a] = at::vec::fmadd(load(wk + i + a * W), Vec::loadu(sg.x + i + a * W), acc[a]);
+                    }
+                }
+                for (; i < I; i += W) acc[0] = at::vec::fmadd(load(wk + i), Vec::loadu(sg.x + i), acc[0]);
+                for (int64_t a = 1; a < ONE_ACCS; ++a) acc[0] = acc[0] + acc[a];
+                sg.y[o + k] = hsum(acc[0]);
+                continue;
+            }
             for (int64_t b0 = 0; b0 < sg.nb; b0 += 4) {
                 const int64_t nv = sg.nb - b0 < 4 ? sg.nb - b0 : 4;
                 Vec acc[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};
