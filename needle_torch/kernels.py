@@ -287,6 +287,26 @@ def as_reduction(rows: int, device: torch.device) -> bool:
     return compiling_for_cpu(device) and reduces_when_compiled(rows, device)
 
 
+def stored(x: Tensor) -> Tensor:
+    """`x` stored once in a compiled CPU graph whose few-row products read it (as_reduction), not recomputed inside
+    each of them: inductor's force_stride_order prim with x's own strides. Elsewhere, and where the prim is missing
+    (another torch), `x` itself: the same function.
+
+    Inductor inlines the ops that make a product's input into the multiply-and-sum, so a norm before the products
+    ran once per weight row: Needle v1's logits recomputed the final norm, a division included, 8192 times a step.
+    Its model stores its norms' outputs that feed products. Published size, bf16 batch-1 compiled steps, 2 threads
+    of a 2-core Zen 4 EPYC, processes alternating: as AVX2 code (x86-64-v3, ATen and oneDNN capped at AVX2) 1.82-1.98
+    against 2.28-2.93 ms; this CPU's AVX-512 code 1.64-1.65 against 2.04-2.20 ms; float32 as AVX2 code 2.20-2.21
+    against 2.42-2.52 ms. The stored input is rounded to its dtype, as eager's is (inductor had kept it in float32).
+    Storing every few-row product's input the same way (attention's too) slowed the Needle 2 torch.compile step
+    (bf16 batch 1 132.0-138.9 against 134.6-145.1 tok/s, float32 99.4-100.1 against 109.6-112.0), so it is not
+    done there."""
+    if not as_reduction(x.shape[:-1].numel(), x.device):
+        return x
+    force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    return x if force is None else force(x, x.stride())
+
+
 def matmul_nt(a: Tensor, b: Tensor, dtype: torch.dtype, reduce: bool = False) -> Tensor:
     """a (..., M, I) @ b (..., N, I)^T -> (..., M, N) in `dtype`: products and sums in float32, rounded once.
 

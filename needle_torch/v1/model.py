@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from convert.v1.config import TransformerConfig
-from needle_torch.kernels import Linear, as_reduction, matmul_nt, reduces_when_compiled
+from needle_torch.kernels import Linear, as_reduction, matmul_nt, reduces_when_compiled, stored
 from needle_torch.layers import (
     Tap,
     ZCRMSNorm,
@@ -229,10 +229,10 @@ class DecoderBlock(nn.Module):
                 cache: LayerCache | None = None, cache_pos: int | Tensor = 0,
                 cross_kv: tuple[Tensor, Tensor] | None = None, deterministic: bool = True) -> Tensor:
         drop = _dropout(self.dropout, deterministic)
-        y = self.self_attn_norm(x)
+        y = stored(self.self_attn_norm(x))  # (stored: computed once where compiled few-row products read it)
         a = self.self_attn(y, y, self_mask, rope, cache=cache, cache_pos=cache_pos)
         x = x + _gate(self.self_attn_gate, x.dtype) * drop(a)
-        c = self.cross_attn(self.cross_attn_norm(x), encoder_out, cross_mask, static_kv=cross_kv)
+        c = self.cross_attn(stored(self.cross_attn_norm(x)), encoder_out, cross_mask, static_kv=cross_kv)
         x = x + _gate(self.cross_attn_gate, x.dtype) * drop(c)
         if self.has_ffn:
             x = x + _gate(self.ffn_gate, x.dtype) * drop(self.ffn(self.ffn_norm(x)))
@@ -281,7 +281,7 @@ class Decoder(nn.Module):
             else:
                 x = layer(x, None, self_mask, cross_mask, rope, cache.layers[i], cache_pos, cache.cross_kv[i],
                           deterministic)
-        return self.final_norm(x)
+        return stored(self.final_norm(x))
 
 
 # ----------------------------------------------------------------------------- model

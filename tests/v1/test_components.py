@@ -206,6 +206,26 @@ def test_reduction_form_only_under_compile_and_for_few_rows():
     assert float(out) == 1.0  # only the few-row CPU product
 
 
+def test_a_stored_input_is_eagers_rounded_value_in_a_compiled_product():
+    """kernels.stored: the tensor itself in eager code; in a compiled CPU graph where few-row products read it, a
+    buffer holding what eager computes, rounded to its dtype. Inlined into the product instead, inductor keeps the
+    bf16 op's float32 value and the sums move by ~2^-9 of their size; stored, only their float32 order differs."""
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 1, 64), torch.randn(48, 64).bfloat16()
+
+    def product(x):
+        y = kernels.stored((x * 1.37).to(torch.bfloat16))  # rounded to bf16 in eager
+        return kernels.matmul_nt(y, w, torch.float32, reduce=kernels.as_reduction(1, x.device))
+
+    y = (x * 1.37).to(torch.bfloat16)
+    assert kernels.stored(y) is y
+    with torch.inference_mode():
+        eager = product(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(product, fullgraph=True)(x)
+    assert float((compiled - eager).abs().max()) <= 1e-6 * float(eager.abs().max())  # float32 sum order only
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_few_row_projections_attention_and_logits_equal_eager(dtype):
     """The reduction forms a compiled decode step uses equal the eager modules (aot_eager runs the traced graph)."""
