@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import build_once, cpp_kernel
+from needle_torch.kernels import CPP_SCALARS, build_once, cpp_kernel
 
 # Rows x kv heads from which a compiled step calls the kernel instead of fusing the attention into the layer (batch 8
 # at the published size's 4 kv heads; batch 4 measured even).
@@ -31,7 +31,6 @@ MIN_UNITS = 32
 # The head dim must fill whole float vectors (the kernel's static_assert): 16 lanes with AVX-512, 8 with AVX2.
 HEAD_MULTIPLE = 16
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
-_SCALARS = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
 _built: dict[str, object] = {}  # _key(dtype, group, head) -> the kernel
 _ready: dict[str, bool] = {}  # the same keys -> built (False: it did not); plain values, which compiled graphs guard on
 
@@ -46,7 +45,7 @@ def takes(units: int) -> bool:
 
 
 def _build(dtype: torch.dtype, group: int, head: int):
-    scalar = _SCALARS[dtype]
+    scalar = CPP_SCALARS[dtype]
     argtypes = ["const float*", f"const {scalar}*", f"const {scalar}*", "const bool*", f"{scalar}*", "int64_t",
                 "int64_t", "int64_t", "float", "float"]
     return cpp_kernel(_SOURCE, (("SCALAR", scalar), ("GROUP", group), ("HEAD", head)), argtypes)
@@ -56,7 +55,7 @@ def prepare(dtype: torch.dtype, group: int, head: int, device: torch.device, uni
     """Build the kernel a compiled step over `units` rows x kv heads in `dtype` with these heads will call, if it
     takes one (before compiling: the build runs eagerly, and a failure leaves the fused form in place with one
     kernels.KernelBuildWarning)."""
-    if not takes(units) or device.type != "cpu" or dtype not in _SCALARS or head % HEAD_MULTIPLE:
+    if not takes(units) or device.type != "cpu" or dtype not in CPP_SCALARS or head % HEAD_MULTIPLE:
         return
     build_once(_key(dtype, group, head), lambda: _build(dtype, group, head), _built, _ready,
                "CPU decode attention kernel", "compiled steps use the fused torch form (same function, slower at "

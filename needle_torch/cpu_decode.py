@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from needle_torch.kernels import bare_linear, bf16_path, build_once, cpp_kernel, hooked, walsh_entry
+from needle_torch.kernels import CPP_SCALARS, bare_linear, bf16_path, build_once, cpp_kernel, hooked, walsh_entry
 
 # The most rows a step runs through the kernels; more keep the torch.compile step (see the module docstring). Where
 # bf16 products run on AMX tiles the kernels stay ahead of it up to batch 32: TILE_MAX_ROWS (max_rows).
@@ -54,7 +54,6 @@ TILE_MAX_ROWS = 32
 # Every width the kernels vectorise must fill whole float vectors: 16 lanes with AVX-512, 8 with AVX2.
 WIDTH_MULTIPLE = 16
 _SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
-_SCALARS = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
 LAYER, ENGRAM, HEAD = 1, 2, 3  # the source's ENTRY values
 # A lane layer's tensors in the kernel's pointer-table order (decode_step.cpp's Slot): the lane layer's own
 # parameters, its lane offsets, the block's parameters, then its K and V buffers.
@@ -79,7 +78,7 @@ _ready: dict[tuple, bool] = {}
 
 def _defines(dtype: torch.dtype, config) -> tuple[tuple[str, object], ...]:
     return (
-        ("SCALAR", _SCALARS[dtype]), ("LANES", config.mhc_lanes), ("DMODEL", config.d_model),
+        ("SCALAR", CPP_SCALARS[dtype]), ("LANES", config.mhc_lanes), ("DMODEL", config.d_model),
         ("ATTN", config.attn_dim), ("HEADS", config.num_heads), ("KVHEADS", config.num_kv_heads),
         ("HEAD", config.head_dim), ("HADA", config.hada_dim),
         ("ENGRAM_ORDERS", ", ".join(str(o) for o in config.engram_orders)),
@@ -90,7 +89,7 @@ def _defines(dtype: torch.dtype, config) -> tuple[tuple[str, object], ...]:
 def _build(dtype: torch.dtype, config) -> dict[int, object]:
     """The three kernels, compiled side by side (the compiler runs outside the GIL): 24 s one after the other at
     the published size on 2 cores, cold; inductor's disk cache serves later processes in milliseconds."""
-    scalar = _SCALARS[dtype]
+    scalar = CPP_SCALARS[dtype]
 
     def one(entry: int):
         argtypes = [a.replace("T*", f"{scalar}*") for a in _ARGTYPES[entry]]
@@ -139,7 +138,7 @@ def applies(model: nn.Module, rows: int) -> bool:
     """Whether cached-decoding steps of `rows` rows can run through the kernels: CPU, float32 or bf16, at most
     max_rows(dtype) rows, widths they take, the twin's own plain modules (_plain). Builds the kernels on first use;
     a failed build warns once (kernels.KernelBuildWarning) and answers False from then on."""
-    if (model.device.type != "cpu" or model.dtype not in _SCALARS or not 1 <= rows <= max_rows(model.dtype)
+    if (model.device.type != "cpu" or model.dtype not in CPP_SCALARS or not 1 <= rows <= max_rows(model.dtype)
             or not _shaped(model.config) or not _plain(model)):
         return False
     return build_once(_defines(model.dtype, model.config), lambda: _build(model.dtype, model.config), _built, _ready,

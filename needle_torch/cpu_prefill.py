@@ -33,12 +33,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import build_once, cpp_kernel, graph_calls, upcasts
+from needle_torch.kernels import CPP_SCALARS, build_once, cpp_kernel, graph_calls, upcasts
 
 # The head dim must fill whole float vectors (the kernel's static_assert): 16 lanes with AVX-512, 8 with AVX2.
 HEAD_MULTIPLE = 16
 _SOURCE = Path(__file__).with_name("csrc") / "prefill_attention.cpp"
-_SCALARS = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
 _built: dict[str, object] = {}  # _key(group, head, dtype) -> the kernel
 _ready: dict[str, bool] = {}  # the same keys -> built (False: it did not); plain values, which compiled graphs guard on
 
@@ -48,7 +47,7 @@ def _key(group: int, head: int, dtype: torch.dtype = torch.float32) -> str:
 
 
 def _build(group: int, head: int, dtype: torch.dtype):
-    scalar = _SCALARS[dtype]
+    scalar = CPP_SCALARS[dtype]
     argtypes = [f"const {scalar}*"] * 3 + ["const float*", f"{scalar}*"] + ["int64_t"] * 6 + ["float", "int64_t"]
     return cpp_kernel(_SOURCE, (("SCALAR", scalar), ("GROUP", group), ("HEAD", head)), argtypes)
 

@@ -483,6 +483,10 @@ def keep_heap() -> HeapPolicy:
 # ----------------------------------------------------------------------------- C++ kernels built at run time
 
 
+# The C++ scalar type of each dtype the kernels build for (their SCALAR define and pointer types).
+CPP_SCALARS = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
+
+
 def cpp_defines(pairs: Iterable[tuple[str, object]]) -> str:
     """`#define NAME VALUE` lines, one per pair, in order."""
     return "".join(f"#define {name} {value}\n" for name, value in pairs)

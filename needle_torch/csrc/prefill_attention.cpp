@@ -38,18 +38,13 @@ constexpr int64_t QR = 6, PR = 4, PC = 2;
 static_assert(HEAD % Vec::size() == 0, "head dim must be a multiple of the vector width");
 static_assert(J % PC == 0, "a p·v tile's vectors must divide the head dim's");
 
-// n values (a multiple of W) as float32, exactly; bf16 through one plain 16-byte load per vector (the counted
+// n bf16 values (a multiple of W) as float32, exactly, through one plain 16-byte load per vector (the counted
 // Vectorized<BFloat16> load copies through the stack on AVX2)
-template <class U>
-static inline void widen(const U* src, float* dst, int64_t n) {
+static inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
     for (int64_t i = 0; i < n; i += W) {
-        if constexpr (!std::is_same_v<U, float>) {
-            Vec x;
-            at::vec::load_fp32_from_bf16(src + i, x);
-            x.store(dst + i);
-        } else {
-            Vec::loadu(src + i).store(dst + i);
-        }
+        Vec x;
+        at::vec::load_fp32_from_bf16(src + i, x);
+        x.store(dst + i);
     }
 }
 

@@ -135,17 +135,18 @@ def test_the_bf16_kernel_is_the_twins_bf16_flash_attention(case, upcast):
         assert bool(((got.double() - x).abs() <= bound).all()), f"row {b}"
 
 
-def test_a_compiled_prefill_calls_the_kernel_and_reproduces_upstreams_prefill(monkeypatch):
-    """The compiled float32 prefill of the tiny fixture (head dim 16, two query heads per kv head) with the kernel
-    built: the op is in the graph, and every position's logits are upstream's forward_cached goldens within the
-    twin's float32 budget. Eager code, bf16, a non-causal mask and a graph that records gradients keep SDPA."""
+def compiled_fixture_prefill(monkeypatch, np_dtype, dtype: torch.dtype):
+    """The tiny fixture's model (its float16 tree widened to float32, then rounded once to np_dtype) prefilling
+    dec_prompt in a compiled graph with the kernel of `dtype` built and its calls recorded: (goldens, config, logits,
+    each call's T)."""
     ckpt = read_checkpoint(DATA + "needle-v2-tiny.pkl")
     g = np.load(DATA + "needle-v2-tiny.npz")
-    params = unflatten_tree({k: np.asarray(v, np.float32) for k, v in flatten_tree(ckpt.params).items()})
-    model = SimpleAttentionNetwork.from_flax(params, ckpt.config)
+    tree = {k: np.asarray(v, np.float32).astype(np_dtype) for k, v in flatten_tree(ckpt.params).items()}
+    model = SimpleAttentionNetwork.from_flax(unflatten_tree(tree), ckpt.config)
     cfg = ckpt.config
-    cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
-    key = cpu_prefill._key(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+    group = cfg.num_heads // cfg.num_kv_heads
+    cpu_prefill.prepare(group, cfg.head_dim, dtype, CPU)
+    key = cpu_prefill._key(group, cfg.head_dim, dtype)
     calls = []
     real = cpu_prefill._built[key]
     monkeypatch.setattr(cpu_prefill, "_built", {key: lambda *a: (calls.append(a[7]), real(*a))})
@@ -154,7 +155,15 @@ def test_a_compiled_prefill_calls_the_kernel_and_reproduces_upstreams_prefill(mo
         cache = model.new_cache(prompts.shape[0], prompts.shape[1] + 1)
         torch._dynamo.reset()
         logits = torch.compile(lambda p, c: model.decode_step(p, c, 0), fullgraph=True)(prompts, cache)
-    assert calls == [prompts.shape[1]] * cfg.num_layers  # T = the prompt's length, once per layer
+    return g, cfg, logits, calls
+
+
+def test_a_compiled_prefill_calls_the_kernel_and_reproduces_upstreams_prefill(monkeypatch):
+    """The compiled float32 prefill of the tiny fixture (head dim 16, two query heads per kv head) with the kernel
+    built: the op is in the graph, and every position's logits are upstream's forward_cached goldens within the
+    twin's float32 budget. Eager code, bf16, a non-causal mask and a graph that records gradients keep SDPA."""
+    g, cfg, logits, calls = compiled_fixture_prefill(monkeypatch, np.float32, torch.float32)
+    assert calls == [g["dec_prompt"].shape[1]] * cfg.num_layers  # T = the prompt's length, once per layer
     for p in range(logits.shape[1]):
         assert rel(logits[:, p], g["f32/dec_prefill_logits"][:, p]) <= F32_REL, f"prefill position {p}"
     q, k, v, mask = inputs(1, 4, 2, 9, 9, 16, seed=0)
@@ -175,23 +184,9 @@ def test_a_compiled_bf16_prefill_without_bf16_units_calls_the_kernel_and_keeps_u
     last position's logits are upstream's first bf16 run-loop logits within the budget the eager bf16 twin is held
     to there (1.1 x the fixture's eager-vs-jit gap, abs: this twin is upstream's eager bf16 pass). bf16's other
     attention path (non-flash, f32 output) keeps the torch form."""
-    ckpt = read_checkpoint(DATA + "needle-v2-tiny.pkl")
-    g = np.load(DATA + "needle-v2-tiny.npz")
+    g, cfg, logits, calls = compiled_fixture_prefill(monkeypatch, ml_dtypes.bfloat16, torch.bfloat16)
     budget = 1.1 * json.loads(str(g["meta_json"]))["checks"]["bf16_eager_vs_scan_logits"]
-    bf16 = {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16) for k, v in flatten_tree(ckpt.params).items()}
-    model = SimpleAttentionNetwork.from_flax(unflatten_tree(bf16), ckpt.config)
-    cfg = ckpt.config
-    cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, CPU)
-    key = cpu_prefill._key(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
-    calls = []
-    real = cpu_prefill._built[key]
-    monkeypatch.setattr(cpu_prefill, "_built", {key: lambda *a: (calls.append(a[7]), real(*a))})
-    prompts = torch.from_numpy(g["dec_prompt"]).long()
-    with torch.no_grad():
-        cache = model.new_cache(prompts.shape[0], prompts.shape[1] + 1)
-        torch._dynamo.reset()
-        logits = torch.compile(lambda p, c: model.decode_step(p, c, 0), fullgraph=True)(prompts, cache)
-    assert calls == [prompts.shape[1]] * cfg.num_layers
+    assert calls == [g["dec_prompt"].shape[1]] * cfg.num_layers
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     err = float(np.abs(logits[0, -1].numpy() - g["bf16/rec_logits"][0, 0]).max())
     assert err <= budget, f"{err:.4g} > {budget:.4g}"
