@@ -194,36 +194,40 @@ PACK_MAX_ROWS = 64
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def packed_weight(ws: Tensor | Sequence[Tensor], rows: int) -> Tensor:
-    """The weights ws (each (O_i, I)) stacked along O as float32, in oneDNN's layout for products of `rows` rows and
-    kept for reuse, where every one is a parameter and rows <= PACK_MAX_ROWS; else stacked plainly (one float32
-    weight: itself, contiguous). A stack's copy is renewed when any of its parameters changes or is another object."""
+def packed_weight(ws: Tensor | Sequence[Tensor], rows: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The weights ws (each (O_i, I)) stacked along O in `dtype` (float32: bf16 weights upcast exactly; bf16: as
+    they are), in oneDNN's layout for products of `rows` rows and kept for reuse, where every one is a parameter and
+    rows <= PACK_MAX_ROWS; else stacked plainly (one weight already in `dtype`: itself, contiguous). A stack's copy
+    is renewed when any of its parameters changes or is another object, or at another row count or dtype."""
     ws = (ws,) if isinstance(ws, Tensor) else tuple(ws)
     if rows > PACK_MAX_ROWS or not all(
             isinstance(w, nn.Parameter) and not w.is_inference() and w.is_contiguous() for w in ws):
-        return _stack(ws)
+        return _stack(ws, dtype)
     stamp = tuple((w._version, w.data_ptr()) for w in ws)
     kept = _PACKED.get(ws[0])
-    if (kept is None or kept[0] != stamp or kept[2] != rows
+    if (kept is None or kept[0] != stamp or kept[2] != rows or kept[3].dtype != dtype
             or any(ref() is not w for ref, w in zip(kept[1], ws[1:], strict=True))):
         kept = _PACKED[ws[0]] = (stamp, tuple(weakref.ref(w) for w in ws[1:]), rows,
-                                 torch.ops.mkldnn._reorder_linear_weight(_stack(ws), rows))
+                                 torch.ops.mkldnn._reorder_linear_weight(_stack(ws, dtype), rows))
     return kept[3]
 
 
-def _stack(ws: tuple[Tensor, ...]) -> Tensor:
-    """The weights stacked along the output axis, float32 and contiguous (one float32 weight: itself, no copy where
-    it is contiguous; bf16 weights, exactly upcast: see linear_f32)."""
-    return ws[0].detach().float().contiguous() if len(ws) == 1 else torch.cat([w.detach() for w in ws]).float()
+def _stack(ws: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    """The weights stacked along the output axis in `dtype`, contiguous (one weight already in `dtype` and
+    contiguous: itself, no copy; bf16 weights to float32: exactly upcast, see linear_f32)."""
+    if len(ws) == 1:
+        return ws[0].detach().to(dtype).contiguous()
+    return torch.cat([w.detach() for w in ws]).to(dtype)
 
 
 @torch.library.custom_op("needle_twin::onednn_linear", mutates_args=())
 def onednn_linear(x: Tensor, ws: list[Tensor], bias: Tensor | None = None) -> Tensor:
-    """x (R, I) @ [w_1; w_2; ...]ᵀ (+ bias (ΣO,)) -> (R, ΣO), float32 (the weights float32, or bf16 upcast exactly),
-    through oneDNN's matmul (see F32_PATH_ENV), against a kept packed copy of the stacked weights at few rows
-    (packed_weight). A custom op: inductor lowers oneDNN's own linear only for frozen (constant) weights."""
+    """x (R, I) @ [w_1; w_2; ...]ᵀ (+ bias (ΣO,)) -> (R, ΣO) in x's dtype, through oneDNN's matmul, against a kept
+    packed copy of the stacked weights at few rows (packed_weight): float32 x (the weights float32, or bf16 upcast
+    exactly; see F32_PATH_ENV) or bf16 x with bf16 weights and bias (packs_bf16). A custom op: inductor lowers
+    oneDNN's own linear only for frozen (constant) weights."""
     x = x.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(ws, x.shape[0]), bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(ws, x.shape[0], x.dtype), bias, "none", [], "")
 
 
 @onednn_linear.register_fake
@@ -241,6 +245,22 @@ def takes_onednn(x: Tensor, w: Tensor) -> bool:
 def f32_product(x: Tensor, w: Tensor) -> bool:
     """Whether x @ wᵀ runs as a float32 product (linear_f32): float32 operands, or bf16 ones on the upcast path."""
     return w.dtype == x.dtype and (x.dtype == torch.float32 or upcasts(x.dtype, x.device))
+
+
+@torch.compiler.assume_constant_result
+def _onednn_bf16() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # a constant to torch.compile
+
+
+def packs_bf16(x: Tensor, w: Tensor) -> bool:
+    """Whether the bf16 product x (..., I) @ w (O, I)ᵀ runs through onednn_linear against a kept packed bf16 copy of
+    w: a compiled CPU step of REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS on the native bf16 path (bf16_path) whose
+    oneDNN runs bf16, for inference. The library product (inductor's extern mm) reorders w on every call; packed,
+    (32, 512) x (512, 512)ᵀ took 53.5 against 64.2 us alone, and a layer's q, k, v and gate stacked (shared_input)
+    137-144 against 253-293 us read cold (2-core Zen 4 EPYC with avx512_bf16, medians), the values bit for bit."""
+    return (x.dtype == w.dtype == torch.bfloat16 and REDUCE_MAX_ROWS < x.shape[:-1].numel() <= PACK_MAX_ROWS
+            and compiling_for_cpu(x.device) and not upcasts(x.dtype, x.device) and _onednn_bf16()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
 def linear_f32(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -330,6 +350,9 @@ class Linear(nn.Linear):
             if f32_product(x, self.weight):
                 bias = None if self.bias is None else self.bias.float()
                 return linear_f32(x.float(), self.weight, bias).to(x.dtype)
+            if packs_bf16(x, self.weight):
+                y = onednn_linear(x.reshape(-1, x.shape[-1]), [self.weight], self.bias)
+                return y.view(*x.shape[:-1], y.shape[-1])
             return F.linear(x, self.weight, self.bias)
         y = matmul_nt(x[..., None, :], self.weight, torch.float32, reduce=True)[..., 0, :]  # (..., O) float32
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
@@ -367,12 +390,16 @@ def shared_input(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
     step of at most PACK_MAX_ROWS rows, more than REDUCE_MAX_ROWS) and every layer is a bare Linear (_bare); else
     each layer's own call."""
     rows = x.shape[:-1].numel()
-    if (REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS
-            and all(_bare(layer) and f32_product(x, layer.weight) and takes_onednn(x, layer.weight)
-                    for layer in layers)):
+    if REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS and all(_bare(layer) for layer in layers):
         ws = [layer.weight for layer in layers]
-        y = onednn_linear(x.float().reshape(-1, x.shape[-1]), ws).to(x.dtype).view(*x.shape[:-1], -1)
-        return list(y.split([w.shape[0] for w in ws], dim=-1))
+        product = None
+        if all(f32_product(x, w) and takes_onednn(x, w) for w in ws):
+            product = torch.float32
+        elif all(packs_bf16(x, w) for w in ws):
+            product = torch.bfloat16
+        if product is not None:
+            y = onednn_linear(x.to(product).reshape(-1, x.shape[-1]), ws).to(x.dtype).view(*x.shape[:-1], -1)
+            return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [layer(x) for layer in layers]
 
 

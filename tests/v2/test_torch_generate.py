@@ -919,6 +919,45 @@ def test_upcast_bf16_products_of_a_compiled_step_keep_float32_packed_weights(mon
         bound = f32_sum_bound(x.reshape(-1, 96), layer.weight, None).view(want.shape) + 2.0 ** -8 * want.abs()
         assert y.dtype == torch.bfloat16 and ((y.double() - want).abs() <= bound).all()
 
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                    reason="this torch's oneDNN runs no bf16 products on this CPU")
+@pytest.mark.parametrize("rows", [kernels.REDUCE_MAX_ROWS, 32, kernels.PACK_MAX_ROWS, kernels.PACK_MAX_ROWS + 1])
+def test_native_bf16_products_of_a_compiled_step_keep_bf16_packed_weights(monkeypatch, rows):
+    """On the native bf16 path, a compiled CPU step's bf16 weight products of REDUCE_MAX_ROWS < rows <=
+    PACK_MAX_ROWS (a Linear alone with its bias, and the stacked products of shared_input) call onednn_linear,
+    which keeps bf16 packed copies of the parameters (kernels._PACKED, under each product's first parameter); at
+    other row counts (reductions; the library's product) it is not called and nothing is kept. Each output is the
+    float32 product of the bf16 operands rounded once to bf16: within the float32 worst-case bound of float64 plus
+    bf16's rounding, 2⁻⁸ of the value (half an ulp of 8 significant bits)."""
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
+    monkeypatch.setattr(kernels, "_PACKED", WeakIdKeyDictionary())
+    torch.manual_seed(4)
+    alone = kernels.Linear(96, 40).bfloat16()
+    layers = [kernels.Linear(96, o, bias=False).bfloat16() for o in (64, 32, 32)]
+    x = torch.randn(1, rows, 96).bfloat16()
+    seen: list[str] = []
+
+    def backend(gm, inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._inductor.compile(gm, inputs)
+
+    def step(x):
+        return [alone(x), *kernels.shared_input(x, layers)]
+
+    with torch.no_grad():
+        got = torch.compile(step, backend=backend, fullgraph=True)(x)
+    packs = kernels.REDUCE_MAX_ROWS < rows <= kernels.PACK_MAX_ROWS
+    assert sum("needle_twin.onednn_linear" in t for t in seen) == (2 if packs else 0), seen
+    assert len(kernels._PACKED) == (2 if packs else 0)
+    for first in (alone.weight, layers[0].weight) if packs else ():
+        assert kernels._PACKED[first][2] == rows and kernels._PACKED[first][3].dtype == torch.bfloat16
+    for y, layer in zip(got, [alone, *layers], strict=True):
+        bias = None if layer.bias is None else layer.bias.double()
+        want = x.double() @ layer.weight.double().T + (0 if bias is None else bias)
+        bound = f32_sum_bound(x.reshape(-1, 96), layer.weight, layer.bias).view(want.shape) + 2.0 ** -8 * want.abs()
+        assert y.dtype == torch.bfloat16 and ((y.double() - want).abs() <= bound).all()
+
+
 @pytest.mark.slow
 @OTHER_GRAPHS
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
