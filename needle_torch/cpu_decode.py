@@ -45,7 +45,15 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from needle_torch.kernels import CPP_SCALARS, bare_linear, bf16_path, build_once, cpp_kernel, hooked, walsh_entry
+from needle_torch.kernels import (
+    CPP_SCALARS,
+    bare_linear,
+    build_once,
+    cpp_kernel,
+    hooked,
+    product_path,
+    walsh_entry,
+)
 
 # The most rows a step runs through the kernels; more keep the torch.compile step (see the module docstring). Where
 # bf16 products run on AMX tiles the kernels stay ahead of it up to batch 32: TILE_MAX_ROWS (max_rows).
@@ -116,16 +124,6 @@ def _plain(model: nn.Module) -> bool:
     if any(p.dtype != model.dtype or not p.is_contiguous() for part in parts for p in part.parameters()):
         return False
     return model.config.flash and not hooked()
-
-
-def product_path(dtype: torch.dtype) -> int:
-    """How the kernels' bf16 products run here (Fused.dp): 0 float32 multiply-adds on upcast loads, 1 the CPU's
-    AVX512-BF16 dot products, 2 AMX tiles too. The dot products need the CPU's own units, whatever NEEDLE_TWIN_BF16
-    forces."""
-    path = bf16_path()
-    if dtype != torch.bfloat16 or not path.native or "avx512_bf16" not in path.features:
-        return 0
-    return 2 if path.tiles else 1
 
 
 def max_rows(dtype: torch.dtype) -> int:

@@ -6,7 +6,8 @@ q·kᵀ/√h plus the additive mask (0 or float32's lowest), softmax, p·v; the 
 function up to the order of the float32 operations. Its bf16 build computes the twin's bf16 flash attention (float32
 logits and softmax of the bf16 q and k, the weights rounded to bf16, p·v summed in float32 and rounded once), for
 compiled bf16 prefills where the CPU has no bf16 units (kernels.upcasts), which would otherwise run it as float32
-library products on upcast copies over every key of every query. It is built through inductor's own C++ toolchain
+library products on upcast copies over every key of every query, and where it has the AVX512-BF16 dot products but
+no AMX tiles (_dots), there summing q·k and p·v on those dot products. It is built through inductor's own C++ toolchain
 and cache, once per (dtype, query heads per kv head, head dim), and enters compiled graphs as the custom op
 `needle_twin::prefill_attention`.
 
@@ -20,9 +21,12 @@ ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CPP_MARCH=x86-64-v3: 8-float vectors, 16 
 6.8-7.4 against 7.6-8.3 ms for SDPA's blocks (eager, each building its bias; medians of 60, three processes).
 bf16 as AVX2 code, the same layer compiled, medians of 30 alternating in one process: 6.6-7.4 ms against 18.4-19.3
 for the explicit attention on upcast copies; the batch-32 bf16 prefill (compiled-all) 4.45-4.51 against 6.31 s,
-processes alternating. On a CPU with bf16 units a compiled bf16 prefill keeps SDPA's fused bf16 kernel: with this
-kernel instead, the same Zen 4's batch-32 prefill measured alike (2.72-2.89 against 2.88-2.89 s), and SDPA's bf16
-products can use AMX tiles where a CPU has them.
+processes alternating. On a CPU with bf16 units the float32 form measured no faster than SDPA's fused bf16 kernel
+(the same Zen 4's batch-32 prefill 2.72-2.89 against 2.88-2.89 s); the dot-product form (dp: each instruction adds
+pairs of exact bf16 products into 16 float32 lanes, twice the multiply-adds of a float32 one) took 2.6-2.7 ms for that
+layer against 6.2-6.5 ms for SDPA's blocks and 5.4-5.8 ms for the float32 form (eager, medians of 30, alternating
+in one process; the outputs of the two forms equal in all but 0.009 % of elements, one bf16 ulp apart there). Where
+the CPU has AMX tiles, whose bf16 products SDPA's kernel can use, compiled bf16 prefills keep SDPA (not measured).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import CPP_SCALARS, build_once, cpp_kernel, graph_calls, upcasts
+from needle_torch.kernels import CPP_SCALARS, build_once, cpp_kernel, graph_calls, product_path, upcasts
 
 # The head dim must fill whole float vectors (the kernel's static_assert): 16 lanes with AVX-512, 8 with AVX2.
 HEAD_MULTIPLE = 16
@@ -48,15 +52,25 @@ def _key(group: int, head: int, dtype: torch.dtype = torch.float32) -> str:
 
 def _build(group: int, head: int, dtype: torch.dtype):
     scalar = CPP_SCALARS[dtype]
-    argtypes = [f"const {scalar}*"] * 3 + ["const float*", f"{scalar}*"] + ["int64_t"] * 6 + ["float", "int64_t"]
+    argtypes = [f"const {scalar}*"] * 3 + ["const float*", f"{scalar}*"] + ["int64_t"] * 6 + ["float"] + ["int64_t"] * 2
     return cpp_kernel(_SOURCE, (("SCALAR", scalar), ("GROUP", group), ("HEAD", head)), argtypes)
 
 
+@torch.compiler.assume_constant_result
+def _dots() -> bool:
+    """Whether bf16 builds run on the CPU's AVX512-BF16 dot products (kernels.product_path 1: bf16 units, no AMX
+    tiles). A constant to torch.compile."""
+    return product_path(torch.bfloat16) == 1
+
+
 def _takes(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether compiled prefills in `dtype` on `device` call the kernel: float32, and bf16 where the CPU has no bf16
+    """Whether compiled prefills in `dtype` on `device` call the kernel: float32; bf16 where the CPU has no bf16
     units (kernels.upcasts: there the twin's bf16 attention would run as float32 library products on upcast copies,
-    over every key of every query; with bf16 units a compiled bf16 prefill takes SDPA's fused bf16 kernel)."""
-    return device.type == "cpu" and (dtype == torch.float32 or upcasts(dtype, device))
+    over every key of every query); and bf16 where it has the AVX512-BF16 dot products and no AMX tiles (_dots:
+    the kernel's dot-product form against SDPA's fused bf16 kernel, see above). With AMX tiles a compiled bf16
+    prefill keeps SDPA's fused kernel, whose products can use them (not measured here)."""
+    return device.type == "cpu" and (dtype == torch.float32 or (
+        dtype == torch.bfloat16 and (upcasts(dtype, device) or _dots())))
 
 
 def prepare(group: int, head: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -94,7 +108,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, qblock: int
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
     _built[_key(H // K, h, q.dtype)](q.contiguous(), k, v, bias.float().expand(B, T, S).contiguous(), out, B, K, T, S,
-                                     k.stride(0), k.stride(1), 1 / math.sqrt(h), qblock)
+                                     k.stride(0), k.stride(1), 1 / math.sqrt(h), qblock, int(_dots()))
     return out
 
 

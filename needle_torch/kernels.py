@@ -117,6 +117,16 @@ def upcasts(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and device.type == "cpu" and not _native_bf16()
 
 
+def product_path(dtype: torch.dtype) -> int:
+    """How the C++ kernels' bf16 products run here (cpu_decode's Fused.dp, cpu_prefill's dp): 0 float32
+    multiply-adds on upcast loads, 1 the CPU's AVX512-BF16 dot products, 2 AMX tiles too. The dot products need the
+    CPU's own units, whatever NEEDLE_TWIN_BF16 forces."""
+    path = bf16_path()
+    if dtype != torch.bfloat16 or not path.native or "avx512_bf16" not in path.features:
+        return 0
+    return 2 if path.tiles else 1
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """a @ b in their dtype, through float32 kernels where bf16 products would be emulated (bf16_path)."""
     if upcasts(a.dtype, a.device):
@@ -385,10 +395,10 @@ def _bare(layer: nn.Module) -> bool:
 # 56.1 against 58.4 ms (medians of 80 pairs, faster in 74 %); later runs on a busier host (steps 62-74 ms) could
 # not tell the two apart (faster in 50 % of the pairs).
 def shared_input(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
-    """[layer(x) for layer in layers], as one product of the stacked weights where the float32 products (float32
-    layers, or bf16 ones on the upcast path) would each take onednn_linear against a packed weight (a compiled CPU
-    step of at most PACK_MAX_ROWS rows, more than REDUCE_MAX_ROWS) and every layer is a bare Linear (_bare); else
-    each layer's own call."""
+    """[layer(x) for layer in layers], as one product of the stacked weights where each product would take
+    onednn_linear against a packed weight (a compiled CPU step of at most PACK_MAX_ROWS rows, more than
+    REDUCE_MAX_ROWS: float32 products of float32 layers or of bf16 ones on the upcast path, or bf16 products on the
+    native path, packs_bf16) and every layer is a bare Linear (_bare); else each layer's own call."""
     rows = x.shape[:-1].numel()
     if REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS and all(_bare(layer) for layer in layers):
         ws = [layer.weight for layer in layers]

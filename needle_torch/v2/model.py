@@ -256,19 +256,21 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     queries per row (a decode step, any batch) take the explicit path with multiply-and-sum products (float32
     too: the same function as SDPA up to the order of the float32 sums), fused with the mask and softmax, which
     read the K/V cache once in its own dtype instead of upcasting all of it for a library product. Also under
-    torch.compile on a CPU with bf16 units (kernels.bf16_path native), bf16 flash attention over many queries (a
-    compiled prefill) runs through SDPA's fused kernel with the bias FLASH_NEG: float32 logits and softmax, bf16
-    p·v, but the probabilities are rounded to bf16 before their normalisation rather than after (max|Δ|/max|ref|
-    3.7e-3 from eager, ~one bf16 ulp, within the compiled step's bf16 drift); it took 54-78 against 139-144 ms
-    for the batch-32 prefill of 256 tokens. A compiled CPU step over many rows (cpu_attention.applies: at least
+    torch.compile on a CPU with bf16 units (kernels.bf16_path native) and AMX tiles, bf16 flash attention over many
+    queries (a compiled prefill) runs through SDPA's fused kernel with the bias FLASH_NEG: float32 logits and softmax,
+    bf16 p·v, but the probabilities are rounded to bf16 before their normalisation rather than after (max|Δ|/max|ref|
+    3.7e-3 from eager, ~one bf16 ulp, within the compiled step's bf16 drift); it took 54-78 against 139-144 ms for the
+    batch-32 prefill of 256 tokens. A compiled CPU step over many rows (cpu_attention.applies: at least
     cpu_attention.MIN_UNITS rows x kv heads, flash) calls the C++ kernel of cpu_attention instead, the same flash
-    arithmetic streaming the cache once per kv head. causal: the mask hides every key after its query and the T
-    queries are the last T of the S keys (a cached prefill); SDPA on CPU then runs in blocks of QUERY_BLOCK queries
-    over the keys up to each block's last (cpu_prefill_blocks), the same function up to the order of the float32
-    sums (3e-7 of O(1) outputs); a compiled float32 one calls the C++ kernel of cpu_prefill for the same blocks
-    (logits and p·v as register tiles: the batch-32 prefill 4.47 against 4.92 s), and so does a compiled bf16
-    flash one where the CPU has no bf16 units (its bf16 build: this function's bf16 flash arithmetic, the same
-    roundings; the batch-32 prefill as AVX2 code 4.5 against 6.3 s)."""
+    arithmetic streaming the cache once per kv head. causal: the mask hides every key after its query and the T queries
+    are the last T of the S keys (a cached prefill); SDPA on CPU then runs in blocks of QUERY_BLOCK queries over the
+    keys up to each block's last (cpu_prefill_blocks), the same function up to the order of the float32 sums (3e-7 of
+    O(1) outputs); a compiled float32 one calls the C++ kernel of cpu_prefill for the same blocks (logits and p·v as
+    register tiles: the batch-32 prefill 4.47 against 4.92 s), and so does a compiled bf16 flash one where the CPU has
+    no bf16 units (its bf16 build: this function's bf16 flash arithmetic, the same roundings; the batch-32 prefill as
+    AVX2 code 4.5 against 6.3 s) or has the AVX512-BF16 dot products without AMX (the same build on those dot products:
+    a layer of a prefill chunk 2.7 against 6.2-6.5 ms for SDPA's fused bf16 blocks, and eager's roundings where SDPA's
+    differ)."""
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
     reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums

@@ -86,6 +86,13 @@ def upcast(monkeypatch):
     monkeypatch.setattr(kernels, "_native_bf16", lambda: False)
 
 
+# The bf16 kernel's two forms: float32 multiply-adds on widened values (dp 0), and the CPU's AVX512-BF16 dot products
+# (dp 1), which only a CPU that has them can run (elsewhere the instructions would fault).
+HAS_DOTS = "avx512_bf16" in kernels.cpu_flags()
+DOTS = pytest.mark.parametrize("dots", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HAS_DOTS, reason="the CPU has no AVX512-BF16 dot products"))])
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_kernel_is_the_twins_blocked_attention(case):
     """The kernel against model.dot_product_attention's SDPA blocks (eager, causal), everywhere, the fully masked
@@ -107,9 +114,11 @@ def test_the_kernel_is_the_twins_blocked_attention(case):
         assert rel(out[b][:, seen[b]], exact[b][:, seen[b].numpy()]) <= KERNEL_REL, f"row {b}"
 
 
+@DOTS
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_bf16_kernel_is_the_twins_bf16_flash_attention(case, upcast):
-    """bf16 on the upcast path: the kernel against model.dot_product_attention's eager bf16 flash attention (float32
+def test_the_bf16_kernel_is_the_twins_bf16_flash_attention(case, dots, upcast, monkeypatch):
+    """bf16, both forms of the kernel (dots: the AVX512-BF16 dot products; else float32 multiply-adds on widened
+    values): the kernel against model.dot_product_attention's eager bf16 flash attention (float32
     logits and softmax of the bf16 q, k; weights rounded to bf16; p·v rounded once) within one bf16 ulp, and against
     float64 numpy on the same bf16 values within the two roundings' bound: each weight off by at most 2⁻⁹ of itself
     (so the sum by 2⁻⁹·max|v|), the output by 2⁻⁹ of itself, plus float32's 1e-5·max|v| for the rest. Queries that
@@ -118,6 +127,7 @@ def test_the_bf16_kernel_is_the_twins_bf16_flash_attention(case, upcast):
     B, H, K, T, S, h, pads, window, sinks = CASES[case]
     q, k, v, mask = (x.bfloat16() if x.is_floating_point() else x
                      for x in inputs(B, H, K, T, S, h, seed=len(case), pads=pads, window=window, sinks=sinks))
+    monkeypatch.setattr(cpu_prefill, "_dots", lambda: dots)
     cpu_prefill.prepare(H // K, h, torch.bfloat16, CPU)
     bias = torch.zeros(mask.shape).masked_fill_(~mask, v2_model.FLASH_NEG)
     with torch.no_grad():
@@ -174,16 +184,23 @@ def test_a_compiled_prefill_calls_the_kernel_and_reproduces_upstreams_prefill(mo
         assert cpu_prefill.applies(q, k, True, flash=False)  # float32: upstream's two paths are one function
         assert not cpu_prefill.applies(q, k, False)
         monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
-        assert not cpu_prefill.applies(q.bfloat16(), k.bfloat16(), True)  # bf16 units: SDPA's fused bf16 kernel
+        monkeypatch.setattr(cpu_prefill, "_dots", lambda: False)
+        assert not cpu_prefill.applies(q.bfloat16(), k.bfloat16(), True)  # AMX tiles: SDPA's fused bf16 kernel
+        monkeypatch.setattr(cpu_prefill, "_dots", lambda: True)
+        assert cpu_prefill.applies(q.bfloat16(), k.bfloat16(), True)  # bf16 dot products: the kernel's
     with torch.enable_grad():
         assert not cpu_prefill.applies(q, k, True)  # the op has no backward
 
 
-def test_a_compiled_bf16_prefill_without_bf16_units_calls_the_kernel_and_keeps_upstreams_logits(monkeypatch, upcast):
-    """The compiled bf16 prefill of the tiny fixture on the upcast path calls the bf16 kernel once per layer, and its
-    last position's logits are upstream's first bf16 run-loop logits within the budget the eager bf16 twin is held
-    to there (1.1 x the fixture's eager-vs-jit gap, abs: this twin is upstream's eager bf16 pass). bf16's other
-    attention path (non-flash, f32 output) keeps the torch form."""
+@DOTS
+def test_a_compiled_bf16_prefill_calls_the_kernel_and_keeps_upstreams_logits(monkeypatch, dots):
+    """The compiled bf16 prefill of the tiny fixture (head dim 16), on the upcast path (no bf16 units) and on the
+    native one with the AVX512-BF16 dot products, calls the bf16 kernel once per layer, and its last position's
+    logits are upstream's first bf16 run-loop logits within the budget the eager bf16 twin is held to there (1.1 x
+    the fixture's eager-vs-jit gap, abs: this twin is upstream's eager bf16 pass). bf16's other attention path
+    (non-flash, f32 output) keeps the torch form."""
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: dots)
+    monkeypatch.setattr(cpu_prefill, "_dots", lambda: dots)
     g, cfg, logits, calls = compiled_fixture_prefill(monkeypatch, ml_dtypes.bfloat16, torch.bfloat16)
     budget = 1.1 * json.loads(str(g["meta_json"]))["checks"]["bf16_eager_vs_scan_logits"]
     assert calls == [g["dec_prompt"].shape[1]] * cfg.num_layers
@@ -197,17 +214,21 @@ def test_a_compiled_bf16_prefill_without_bf16_units_calls_the_kernel_and_keeps_u
         assert not cpu_prefill.applies(q.bfloat16(), k.bfloat16(), True, flash=False)
 
 
-def test_a_head_dim_off_the_vector_width_or_bf16_with_bf16_units_builds_no_kernel(monkeypatch):
+def test_a_head_dim_off_the_vector_width_or_bf16_with_amx_tiles_builds_no_kernel(monkeypatch):
     builds = recording_builds(monkeypatch, cpu_prefill)
     monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_prefill, "_dots", lambda: False)
     cpu_prefill.prepare(2, 24, torch.float32, CPU)  # h = 24: not a multiple of 16
-    cpu_prefill.prepare(2, 64, torch.bfloat16, CPU)  # bf16 units: SDPA's fused bf16 kernel
+    cpu_prefill.prepare(2, 64, torch.bfloat16, CPU)  # bf16 units with AMX tiles: SDPA's fused bf16 kernel
     assert builds == []
     cpu_prefill.prepare(2, 64, torch.float32, CPU)
-    monkeypatch.setattr(kernels, "_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_prefill, "_dots", lambda: True)  # bf16 dot products, no tiles
     cpu_prefill.prepare(2, 24, torch.bfloat16, CPU)
     cpu_prefill.prepare(2, 64, torch.bfloat16, CPU)
-    assert builds == [(2, 64, torch.float32), (2, 64, torch.bfloat16)]
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: False)  # no bf16 units
+    monkeypatch.setattr(cpu_prefill, "_dots", lambda: False)
+    cpu_prefill.prepare(4, 64, torch.bfloat16, CPU)
+    assert builds == [(2, 64, torch.float32), (2, 64, torch.bfloat16), (4, 64, torch.bfloat16)]
 
 
 def test_a_kernel_that_does_not_build_warns_once_and_keeps_sdpa(monkeypatch):
