@@ -196,9 +196,9 @@ def _onednn_f32() -> bool:
 # meets another row count. Only parameters: an intermediate's buffer can be rewritten by compiled code without its
 # version counter knowing. The copies cost the weights' size again (float32 at the published size: 138 weights, 132
 # MB; a bf16 model's on the upcast path, bf16_path, twice it: its copies are float32, so that its steps do not upcast
-# every weight again each call); prefills (more rows) use the plain weights. Batch-32 float32 compiled steps at the
-# published size, packed and plain alternating in one process (6 rounds, medians of 63 steps): 50.0-58.9 against
-# 57.8-70.7 ms, faster in every round, the same logits bit for bit.
+# every weight again each call; on the native path, packs_bf16, bf16 copies of its own size); prefills (more rows) use
+# the plain weights. Batch-32 float32 compiled steps at the published size, packed and plain alternating in one process
+# (6 rounds, medians of 63 steps): 50.0-58.9 against 57.8-70.7 ms, faster in every round, the same logits bit for bit.
 PACK_MAX_ROWS = 64
 # first parameter -> ((version, data_ptr) of each, weak references to the others, rows, packed weight)
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
