@@ -919,6 +919,7 @@ def test_upcast_bf16_products_of_a_compiled_step_keep_float32_packed_weights(mon
         bound = f32_sum_bound(x.reshape(-1, 96), layer.weight, None).view(want.shape) + 2.0 ** -8 * want.abs()
         assert y.dtype == torch.bfloat16 and ((y.double() - want).abs() <= bound).all()
 
+
 @pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
                     reason="this torch's oneDNN runs no bf16 products on this CPU")
 @pytest.mark.parametrize("rows", [kernels.REDUCE_MAX_ROWS, 32, kernels.PACK_MAX_ROWS, kernels.PACK_MAX_ROWS + 1])
