@@ -245,11 +245,15 @@ def _(x: Tensor, ws: list[Tensor], bias: Tensor | None = None) -> Tensor:
     return x.new_empty((x.shape[0], sum(w.shape[0] for w in ws)))
 
 
+def _inference(x: Tensor, w: Tensor) -> bool:
+    """Whether no gradient is recorded through x @ wᵀ (onednn_linear has no backward)."""
+    return not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+
+
 def takes_onednn(x: Tensor, w: Tensor) -> bool:
     """Whether the float32 product x (..., I) @ w (O, I)ᵀ runs through onednn_linear: in a compiled CPU graph where
     f32_path says so, for inference (the op has no backward)."""
-    return compiling_for_cpu(x.device) and _onednn_f32() and not (
-        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    return compiling_for_cpu(x.device) and _onednn_f32() and _inference(x, w)
 
 
 def f32_product(x: Tensor, w: Tensor) -> bool:
@@ -269,8 +273,7 @@ def packs_bf16(x: Tensor, w: Tensor) -> bool:
     (32, 512) x (512, 512)ᵀ took 53.5 against 64.2 us alone, and a layer's q, k, v and gate stacked (shared_input)
     137-144 against 253-293 us read cold (2-core Zen 4 EPYC with avx512_bf16, medians), the values bit for bit."""
     return (x.dtype == w.dtype == torch.bfloat16 and REDUCE_MAX_ROWS < x.shape[:-1].numel() <= PACK_MAX_ROWS
-            and compiling_for_cpu(x.device) and not upcasts(x.dtype, x.device) and _onednn_bf16()
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+            and compiling_for_cpu(x.device) and not upcasts(x.dtype, x.device) and _onednn_bf16() and _inference(x, w))
 
 
 def linear_f32(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -49,6 +49,37 @@ static inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
     }
 }
 
+// One logits row's two vectors of keys from j0 on: acc·scale + bias, the bias read up to kend only (n0, n1 of each
+// vector's keys), stored to sr.
+static inline void store_logits(const Vec& a0, const Vec& a1, const float* br, float* sr, int64_t kend, int64_t j0,
+                                float scale) {
+    const int64_t n0 = std::clamp<int64_t>(kend - j0, 0, W), n1 = std::clamp<int64_t>(kend - j0 - W, 0, W);
+    const Vec sc(scale);
+    const Vec b0 = n0 == W ? Vec::loadu(br) : Vec::loadu(br, n0);
+    const Vec b1 = n1 == W ? Vec::loadu(br + W) : Vec::loadu(br + W, n1);
+    at::vec::fmadd(a0, sc, b0).store(sr);
+    at::vec::fmadd(a1, sc, b1).store(sr + W);
+}
+
+// A row's kend logits to their exponentials e^(s - max), in place; returns 1/Σ.
+static inline float exp_row(float* sr, int64_t kend) {
+    Vec vmx(std::numeric_limits<float>::lowest());
+    int64_t j = 0;
+    for (; j + W <= kend; j += W) vmx = at::vec::maximum(vmx, Vec::loadu(sr + j));
+    float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+    for (; j < kend; ++j) mx = sr[j] > mx ? sr[j] : mx;
+    const Vec vm(mx);
+    Vec vsum(0.f);
+    for (j = 0; j + W <= kend; j += W) {
+        const Vec e = (Vec::loadu(sr + j) - vm).exp();
+        e.store(sr + j);
+        vsum = vsum + e;
+    }
+    float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+    for (; j < kend; ++j) { sr[j] = std::exp(sr[j] - mx); sum += sr[j]; }
+    return 1.f / sum;
+}
+
 // U: SCALAR (a template, so that each branch on it is compiled for its own type only)
 template <class U>
 static void attend(const U* q, const U* k, const U* v, const float* bias, U* out, int64_t B, int64_t K, int64_t T,
@@ -110,42 +141,19 @@ static void attend(const U* q, const U* k, const U* v, const float* bias, U* out
                                 acc[i][1] = at::vec::fmadd(qi, k1, acc[i][1]);
                             }
                         }
-                        const Vec sc(scale);
-                        // s·scale + bias, the bias read up to kend only (n0, n1 of each vector's keys)
-                        const int64_t n0 = std::clamp<int64_t>(kend - j0, 0, W);
-                        const int64_t n1 = std::clamp<int64_t>(kend - j0 - W, 0, W);
-                        for (int64_t i = 0; i < QR && r0 + i < R; ++i) {
-                            const float* br = bias + (b * T + a + (r0 + i) / G) * S + j0;
-                            float* sr = s.data() + (r0 + i) * Sp + j0;
-                            const Vec b0 = n0 == W ? Vec::loadu(br) : Vec::loadu(br, n0);
-                            const Vec b1 = n1 == W ? Vec::loadu(br + W) : Vec::loadu(br + W, n1);
-                            at::vec::fmadd(acc[i][0], sc, b0).store(sr);
-                            at::vec::fmadd(acc[i][1], sc, b1).store(sr + W);
-                        }
+                        for (int64_t i = 0; i < QR && r0 + i < R; ++i)
+                            store_logits(acc[i][0], acc[i][1], bias + (b * T + a + (r0 + i) / G) * S + j0,
+                                         s.data() + (r0 + i) * Sp + j0, kend, j0, scale);
                     }
                 }
                 // max, exp, Σ per row
                 for (int64_t r = 0; r < R; ++r) {
                     float* sr = s.data() + r * Sp;
-                    Vec vmx(std::numeric_limits<float>::lowest());
-                    int64_t j = 0;
-                    for (; j + W <= kend; j += W) vmx = at::vec::maximum(vmx, Vec::loadu(sr + j));
-                    float mx = at::vec::vec_reduce_all<float>(
-                        [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
-                    for (; j < kend; ++j) mx = sr[j] > mx ? sr[j] : mx;
-                    const Vec vm(mx);
-                    Vec vsum(0.f);
-                    for (j = 0; j + W <= kend; j += W) {
-                        const Vec e = (Vec::loadu(sr + j) - vm).exp();
-                        e.store(sr + j);
-                        vsum = vsum + e;
-                    }
-                    float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
-                    for (; j < kend; ++j) { sr[j] = std::exp(sr[j] - mx); sum += sr[j]; }
-                    inv[r] = 1.f / sum;
+                    inv[r] = exp_row(sr, kend);
                     if constexpr (BF16) {  // the weights e·(1/Σ) rounded to bf16 (to nearest even), before p·v
                         const Vec vi(inv[r]);
-                        for (j = 0; j + W <= kend; j += W) {
+                        int64_t j = 0;
+                        for (; j + W <= kend; j += W) {
                             const Vec p = Vec::loadu(sr + j) * vi;
                             std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(p, p)))
                                 .store(sr + j);
@@ -257,41 +265,19 @@ static void attend_dp(const c10::BFloat16* q, const c10::BFloat16* k, const c10:
                                 acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qi, k1);
                             }
                         }
-                        const Vec sc(scale);
-                        const int64_t n0 = std::clamp<int64_t>(kend - j0, 0, W);
-                        const int64_t n1 = std::clamp<int64_t>(kend - j0 - W, 0, W);
-                        for (int64_t i = 0; i < DQR && r0 + i < R; ++i) {
-                            const float* br = bias + (b * T + a + (r0 + i) / G) * S + j0;
-                            float* sr = s.data() + (r0 + i) * Sp + j0;
-                            const Vec b0 = n0 == W ? Vec::loadu(br) : Vec::loadu(br, n0);
-                            const Vec b1 = n1 == W ? Vec::loadu(br + W) : Vec::loadu(br + W, n1);
-                            at::vec::fmadd(Vec(acc[i][0]), sc, b0).store(sr);
-                            at::vec::fmadd(Vec(acc[i][1]), sc, b1).store(sr + W);
-                        }
+                        for (int64_t i = 0; i < DQR && r0 + i < R; ++i)
+                            store_logits(Vec(acc[i][0]), Vec(acc[i][1]), bias + (b * T + a + (r0 + i) / G) * S + j0,
+                                         s.data() + (r0 + i) * Sp + j0, kend, j0, scale);
                     }
                 }
                 // max, exp, Σ per row, then the weights e·(1/Σ) rounded to bf16 (attend's), a 0 after an odd kend
                 for (int64_t r = 0; r < R; ++r) {
                     float* sr = s.data() + r * Sp;
                     c10::BFloat16* pr = pw.data() + r * Wp;
-                    Vec vmx(std::numeric_limits<float>::lowest());
-                    int64_t j = 0;
-                    for (; j + W <= kend; j += W) vmx = at::vec::maximum(vmx, Vec::loadu(sr + j));
-                    float mx = at::vec::vec_reduce_all<float>(
-                        [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
-                    for (; j < kend; ++j) mx = sr[j] > mx ? sr[j] : mx;
-                    const Vec vm(mx);
-                    Vec vsum(0.f);
-                    for (j = 0; j + W <= kend; j += W) {
-                        const Vec e = (Vec::loadu(sr + j) - vm).exp();
-                        e.store(sr + j);
-                        vsum = vsum + e;
-                    }
-                    float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
-                    for (; j < kend; ++j) { sr[j] = std::exp(sr[j] - mx); sum += sr[j]; }
-                    const float inv = 1.f / sum;
+                    const float inv = exp_row(sr, kend);
                     const Vec vi(inv);
-                    for (j = 0; j + W <= kend; j += W) {
+                    int64_t j = 0;
+                    for (; j + W <= kend; j += W) {
                         const Vec p = Vec::loadu(sr + j) * vi;
                         at::vec::convert_float_bfloat16(p, p).store(pr + j, W);
                     }

@@ -886,20 +886,9 @@ def test_projections_of_one_input_share_one_product_only_where_it_applies(monkey
 
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
-def test_upcast_bf16_products_of_a_compiled_step_keep_float32_packed_weights(monkeypatch, upcast):
-    """On the upcast path (no bf16 units), a compiled CPU step's bf16 weight products (a Linear alone, and the
-    stacked products of shared_input) call onednn_linear with the bf16 parameters themselves, which keeps float32
-    packed copies of them (kernels._PACKED, under each product's first parameter) rather than the graph upcasting
-    every weight again each call. Each output is the float32 product of the exactly upcast operands rounded once to
-    bf16: within the float32 worst-case bound of float64 plus bf16's rounding, 2⁻⁸ of the value (8 significant
-    bits, round to nearest: half an ulp, at most 2⁻⁸ relative)."""
-    monkeypatch.setattr(kernels, "_onednn_f32", lambda: True)
-    monkeypatch.setattr(kernels, "_PACKED", WeakIdKeyDictionary())
-    torch.manual_seed(3)
-    alone = kernels.Linear(96, 40, bias=False).bfloat16()
-    layers = [kernels.Linear(96, o, bias=False).bfloat16() for o in (64, 32, 32)]
-    x = torch.randn(2, 16, 96).bfloat16()  # 32 rows: a batch-32 step
+def compiled_bf16_products(x: torch.Tensor, layers: list) -> tuple[list[torch.Tensor], int]:
+    """layers[0](x) alone and kernels.shared_input(x, layers[1:]) in one compiled CPU graph: (the outputs, the number
+    of onednn_linear calls in the traced graph)."""
     seen: list[str] = []
 
     def backend(gm, inputs):
@@ -907,17 +896,41 @@ def test_upcast_bf16_products_of_a_compiled_step_keep_float32_packed_weights(mon
         return torch._inductor.compile(gm, inputs)
 
     def step(x):
-        return [alone(x), *kernels.shared_input(x, layers)]
+        return [layers[0](x), *kernels.shared_input(x, layers[1:])]
 
     with torch.no_grad():
         got = torch.compile(step, backend=backend, fullgraph=True)(x)
-    assert sum("needle_twin.onednn_linear" in t for t in seen) == 2, seen
-    for first in (alone.weight, layers[0].weight):
-        assert kernels._PACKED[first][2] == 32 and kernels._PACKED[first][3].dtype == torch.float32
-    for y, layer in zip(got, [alone, *layers], strict=True):
-        want = x.double() @ layer.weight.double().T
-        bound = f32_sum_bound(x.reshape(-1, 96), layer.weight, None).view(want.shape) + 2.0 ** -8 * want.abs()
+    return got, sum("needle_twin.onednn_linear" in t for t in seen)
+
+
+def assert_bf16_products(got: list[torch.Tensor], layers: list, x: torch.Tensor) -> None:
+    """Each output is its layer's float32 product of the bf16 operands rounded once to bf16: within the float32
+    worst-case bound of float64 plus bf16's rounding, 2⁻⁸ of the value (8 significant bits, round to nearest: half
+    an ulp, at most 2⁻⁸ relative)."""
+    width = x.shape[-1]
+    for y, layer in zip(got, layers, strict=True):
+        want = x.double() @ layer.weight.double().T + (0 if layer.bias is None else layer.bias.double())
+        bound = f32_sum_bound(x.reshape(-1, width), layer.weight, layer.bias).view(want.shape) + 2.0 ** -8 * want.abs()
         assert y.dtype == torch.bfloat16 and ((y.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_upcast_bf16_products_of_a_compiled_step_keep_float32_packed_weights(monkeypatch, upcast):
+    """On the upcast path (no bf16 units), a compiled CPU step's bf16 weight products (a Linear alone, and the
+    stacked products of shared_input) call onednn_linear with the bf16 parameters themselves, which keeps float32
+    packed copies of them (kernels._PACKED, under each product's first parameter) rather than the graph upcasting
+    every weight again each call. Each output is the float32 product of the exactly upcast operands rounded once to
+    bf16 (assert_bf16_products)."""
+    monkeypatch.setattr(kernels, "_onednn_f32", lambda: True)
+    monkeypatch.setattr(kernels, "_PACKED", WeakIdKeyDictionary())
+    torch.manual_seed(3)
+    layers = [kernels.Linear(96, o, bias=False).bfloat16() for o in (40, 64, 32, 32)]  # one alone, three shared
+    x = torch.randn(2, 16, 96).bfloat16()  # 32 rows: a batch-32 step
+    got, calls = compiled_bf16_products(x, layers)
+    assert calls == 2
+    for first in (layers[0].weight, layers[1].weight):
+        assert kernels._PACKED[first][2] == 32 and kernels._PACKED[first][3].dtype == torch.float32
+    assert_bf16_products(got, layers, x)
 
 
 @pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
@@ -928,35 +941,19 @@ def test_native_bf16_products_of_a_compiled_step_keep_bf16_packed_weights(monkey
     PACK_MAX_ROWS (a Linear alone with its bias, and the stacked products of shared_input) call onednn_linear,
     which keeps bf16 packed copies of the parameters (kernels._PACKED, under each product's first parameter); at
     other row counts (reductions; the library's product) it is not called and nothing is kept. Each output is the
-    float32 product of the bf16 operands rounded once to bf16: within the float32 worst-case bound of float64 plus
-    bf16's rounding, 2⁻⁸ of the value (half an ulp of 8 significant bits)."""
+    float32 product of the bf16 operands rounded once to bf16 (assert_bf16_products)."""
     monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
     monkeypatch.setattr(kernels, "_PACKED", WeakIdKeyDictionary())
     torch.manual_seed(4)
-    alone = kernels.Linear(96, 40).bfloat16()
-    layers = [kernels.Linear(96, o, bias=False).bfloat16() for o in (64, 32, 32)]
+    layers = [kernels.Linear(96, 40).bfloat16()] + [kernels.Linear(96, o, bias=False).bfloat16() for o in (64, 32, 32)]
     x = torch.randn(1, rows, 96).bfloat16()
-    seen: list[str] = []
-
-    def backend(gm, inputs):
-        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return torch._inductor.compile(gm, inputs)
-
-    def step(x):
-        return [alone(x), *kernels.shared_input(x, layers)]
-
-    with torch.no_grad():
-        got = torch.compile(step, backend=backend, fullgraph=True)(x)
+    got, calls = compiled_bf16_products(x, layers)
     packs = kernels.REDUCE_MAX_ROWS < rows <= kernels.PACK_MAX_ROWS
-    assert sum("needle_twin.onednn_linear" in t for t in seen) == (2 if packs else 0), seen
+    assert calls == (2 if packs else 0)
     assert len(kernels._PACKED) == (2 if packs else 0)
-    for first in (alone.weight, layers[0].weight) if packs else ():
+    for first in (layers[0].weight, layers[1].weight) if packs else ():
         assert kernels._PACKED[first][2] == rows and kernels._PACKED[first][3].dtype == torch.bfloat16
-    for y, layer in zip(got, [alone, *layers], strict=True):
-        bias = None if layer.bias is None else layer.bias.double()
-        want = x.double() @ layer.weight.double().T + (0 if bias is None else bias)
-        bound = f32_sum_bound(x.reshape(-1, 96), layer.weight, layer.bias).view(want.shape) + 2.0 ** -8 * want.abs()
-        assert y.dtype == torch.bfloat16 and ((y.double() - want).abs() <= bound).all()
+    assert_bf16_products(got, layers, x)
 
 
 @pytest.mark.slow
