@@ -2,7 +2,7 @@
 
 At the published `base` size (random weights, convert.mapping.random_flax_params(config, seed=0)), a
 256-token prompt and 64 new tokens (EOS never stops a row), for batch 1 and 32, float32 and bfloat16,
-torch eager, torch compiled (compile=True: the decoding steps; on CPU at <= cpu_decode.MAX_ROWS rows through the
+torch eager, torch compiled (compile=True: the decoding steps; on CPU at <= cpu_decode.max_rows rows through the
 C++ kernels of needle_torch/cpu_decode.py), compiled-all (compile="all": the prefill too) and, on request, traced
 (compile=True with those kernels switched off: the torch.compile step, for a side-by-side ratio). Each cell names
 the step that ran (kernels, torch.compile or eager):
@@ -211,7 +211,7 @@ def run_v1(args) -> dict:
 
 def child(args) -> None:
     torch.set_num_threads(args.threads)
-    limits = (cpu_decode.MAX_ROWS, cpu_decode.TILE_MAX_ROWS)
+    limits = (cpu_decode.MAX_ROWS, cpu_decode.BF16_MAX_ROWS)
     if args.max_rows is not None:
         limits = (args.max_rows, args.max_rows)
     path = bf16_path()
@@ -225,7 +225,7 @@ def child(args) -> None:
             out["cells"][spec] = run_v1(args)
             continue
         dtype, batch, mode = spec.split(",")
-        cpu_decode.MAX_ROWS, cpu_decode.TILE_MAX_ROWS = (0, 0) if mode == "traced" else limits
+        cpu_decode.MAX_ROWS, cpu_decode.BF16_MAX_ROWS = (0, 0) if mode == "traced" else limits
         out["cells"][spec] = run_v2(dtype, int(batch), MODES[mode], args)
     out["load_after"] = os.getloadavg()
     print("RESULT " + json.dumps(out), flush=True)
@@ -296,7 +296,8 @@ def main() -> None:
                              f"system: {HEAP_ENV}=system leaves glibc's defaults; one process each")
     parser.add_argument("--max-rows", type=int, default=None,
                         help="rows up to which compiled steps take the C++ kernels (default cpu_decode.max_rows: "
-                             "MAX_ROWS, TILE_MAX_ROWS for bf16 on AMX tiles): for measuring where they stop paying")
+                             "MAX_ROWS, BF16_MAX_ROWS for bf16 on the CPU's bf16 units): for measuring where they "
+                             "stop paying")
     parser.add_argument("--kinds", nargs="+", default=["this", "avx2"], choices=["this", "avx2"],
                         help="this CPU as it is, and/or an AVX2-only CPU (AVX2_ENV)")
     parser.add_argument("--no-emulate", dest="emulate", action="store_false", help="skip the AVX2-only runs")

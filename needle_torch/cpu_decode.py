@@ -23,8 +23,16 @@ Where the CPU has AMX tiles, products of bf16 inputs of 4 rows or more run on th
 16 input rows at a time), and the lane routing's Sinkhorn runs a vector lane per row. In one process, steps
 alternating (bf16, published size, 256 cached positions, medians of 40): batch 32 48.0 ms against 70.7 ms for the
 torch.compile step; per layer the q/gate/k/v products took 178 against 818 us with the dot products alone and
-out_proj 79 against 270 us. Hence TILE_MAX_ROWS = 32 for bf16 on such CPUs (max_rows). float32 has no tiles: at
-batch 32 its kernels' step measured 97.5 against 91.5 ms for the torch.compile one, at 16 rows 60.1 against 67.2.
+out_proj 79 against 270 us. float32 has no tiles: at batch 32 its kernels' step measured 97.5 against 91.5 ms for the
+torch.compile one, at 16 rows 60.1 against 67.2.
+
+Where the CPU has the AVX512-BF16 dot products but no tiles, bf16 steps take the kernels up to 32 rows as well, since
+their products read each weight row once for all rows (ROW_PREFETCH below): on a 2-core Zen 4 EPYC (avx512_bf16, no
+AMX), published size, 256-token prompts, 2 threads, the two steps alternating in one process (medians of 63 steps a
+request): batch 32 26.9, 27.4, 30.2, 30.8 against 33.7, 32.8, 39.7, 37.7 ms for the torch.compile step, the same
+tokens; batch 48 48.9, 46.5 against 45.0, 53.6 (alike); batch 64 65.6, 64.9, 66.3 against 55.1, 63.5, 62.6; float32
+batch 32 75.5, 72.9, 76.6 against 45.2, 43.4, 45.1. Hence BF16_MAX_ROWS = 32 for bf16 wherever its products run on
+the CPU's bf16 units (max_rows), and 16 rows otherwise.
 
 The products of few input vectors (up to 8 in float32, any number with the bf16 dot products) read their weight
 rows one after another, one stream per thread with an L2 prefetch ahead (decode_step.cpp, ROW_PREFETCH), not 4
@@ -56,9 +64,10 @@ from needle_torch.kernels import (
 )
 
 # The most rows a step runs through the kernels; more keep the torch.compile step (see the module docstring). Where
-# bf16 products run on AMX tiles the kernels stay ahead of it up to batch 32: TILE_MAX_ROWS (max_rows).
+# bf16 products run on the CPU's bf16 units (dot products, AMX tiles) the kernels stay ahead of it up to batch 32:
+# BF16_MAX_ROWS (max_rows).
 MAX_ROWS = 16
-TILE_MAX_ROWS = 32
+BF16_MAX_ROWS = 32
 # Every width the kernels vectorise must fill whole float vectors: 16 lanes with AVX-512, 8 with AVX2.
 WIDTH_MULTIPLE = 16
 _SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
@@ -127,9 +136,10 @@ def _plain(model: nn.Module) -> bool:
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """The most rows a step of this dtype runs through the kernels: TILE_MAX_ROWS where its products take AMX tiles
-    (product_path 2: bf16 on a CPU with them), else MAX_ROWS."""
-    return TILE_MAX_ROWS if product_path(dtype) == 2 else MAX_ROWS
+    """The most rows a step of this dtype runs through the kernels: BF16_MAX_ROWS where its products take the CPU's
+    bf16 units (product_path 1 or 2: bf16 on a CPU with the AVX512-BF16 dot products, with or without AMX tiles),
+    else MAX_ROWS."""
+    return BF16_MAX_ROWS if product_path(dtype) >= 1 else MAX_ROWS
 
 
 def applies(model: nn.Module, rows: int) -> bool:
@@ -239,5 +249,5 @@ def logits(fused: Fused, lanes: Tensor) -> Tensor:
     return out
 
 
-__all__ = ["MAX_ROWS", "TILE_MAX_ROWS", "Fused", "applies", "engram", "fuse", "layer", "logits", "max_rows",
+__all__ = ["BF16_MAX_ROWS", "MAX_ROWS", "Fused", "applies", "engram", "fuse", "layer", "logits", "max_rows",
            "product_path", "run_layers"]

@@ -196,10 +196,10 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     fewer when every row stopped early); return_logprobs: the chosen tokens' log_softmax of the *unscaled*
     logits (B, steps), 0 after a row's EOS. The result is (tokens, logits, logprobs) with the requested ones.
     streamer: called with each step's (B,) tokens on the CPU, in order.
-    compile: the fast step. On CPU at <= cpu_decode.max_rows rows (16; 32 for bf16 where the CPU has AMX tiles, and
-    its products run on them: batch 32 48.0 against 70.7 ms a step for the torch.compile one), float32 or bf16, the
-    twin's own plain modules (no hooks, no LoRA wrappers), every step runs through the C++ kernels of cpu_decode
-    instead of a graph:
+    compile: the fast step. On CPU at <= cpu_decode.max_rows rows (16; 32 for bf16 where its products run on the
+    CPU's bf16 units: batch 32 48.0 against 70.7 ms a step for the torch.compile one on AMX tiles, 26.9-30.8 against
+    32.8-39.7 ms with the AVX512-BF16 dot products alone), float32 or bf16, the twin's own plain modules (no hooks, no
+    LoRA wrappers), every step runs through the C++ kernels of cpu_decode instead of a graph:
     the engram sites, one call per lane layer, the logits; eager's roundings, float32 sums in another order (f32
     logits within 1e-6 of eager on the fixture, bf16 layers bit for bit on the test models). At the published size
     on a 2-core AMX Xeon, batch 1, the kernels' steps against the torch.compile step side by side: float32 69.9

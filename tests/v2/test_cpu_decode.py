@@ -112,16 +112,21 @@ def test_bf16_products_without_tiles_are_eager_pieces(dp):
     check_pieces(model("published-3", ml_dtypes.bfloat16), 5, dp)
 
 
-def test_bf16_steps_on_amx_tiles_take_the_kernels_past_max_rows():
-    """Where bf16 products take AMX tiles, bf16 steps of up to TILE_MAX_ROWS rows run through the kernels (float32
-    ones up to MAX_ROWS), and 17 rows give eager's pieces: two tiles of input rows, and the engram values' 68 taps
-    in two passes over each block of weight rows."""
-    if cpu_decode.product_path(torch.bfloat16) < 2:
-        pytest.skip(f"no AMX tiles for the kernels here ({kernels.bf16_path()})")
+@pytest.mark.parametrize("dp", [1, 2], ids=["dot-products", "amx-tiles"])
+def test_bf16_steps_on_bf16_units_take_the_kernels_past_max_rows(dp):
+    """Where bf16 products run on the CPU's bf16 units, bf16 steps of up to BF16_MAX_ROWS rows run through the
+    kernels (float32 ones up to MAX_ROWS), and 17 and BF16_MAX_ROWS rows give eager's pieces on each path the CPU
+    has: 1 the AVX512-BF16 dot products (every weight row once for all rows, 4 input rows at a time), 2 AMX tiles
+    too (two tiles of input rows; the engram values' 68 and 128 taps in passes of 4 tiles over each block of weight
+    rows)."""
+    if dp > cpu_decode.product_path(torch.bfloat16):
+        units = "AMX tiles" if dp == 2 else "bf16 dot products"
+        pytest.skip(f"no {units} for the kernels here ({kernels.bf16_path()})")
     m = model("published-3", ml_dtypes.bfloat16)
-    assert cpu_decode.applies(m, cpu_decode.TILE_MAX_ROWS) and not cpu_decode.applies(m, cpu_decode.TILE_MAX_ROWS + 1)
+    assert cpu_decode.applies(m, cpu_decode.BF16_MAX_ROWS) and not cpu_decode.applies(m, cpu_decode.BF16_MAX_ROWS + 1)
     assert not cpu_decode.applies(model("published-3", np.float32), cpu_decode.MAX_ROWS + 1)
-    check_pieces(m, cpu_decode.MAX_ROWS + 1)
+    for rows in (cpu_decode.MAX_ROWS + 1, cpu_decode.BF16_MAX_ROWS):
+        check_pieces(m, rows, dp)
 
 
 def check_pieces(m: SimpleAttentionNetwork, rows: int, dp: int | None = None) -> None:

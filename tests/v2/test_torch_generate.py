@@ -199,7 +199,7 @@ def test_bfloat16_reproduces_upstreams_run_loop_where_bf16_decides(bf16, fx, whi
     run = generate_recompute if which == "recompute" else generate
     kw = {"compiled": {"compile": True}, "traced": {"compile": True}, "compiled-all": {"compile": "all"}}.get(which, {})
     if which == "traced":
-        monkeypatch.setattr(cpu_decode, "MAX_ROWS", 0)
+        monkeypatch.setattr(cpu_decode, "max_rows", lambda dtype: 0)  # every dtype, every CPU
     tokens, logits = run(bf16, g["dec_prompt"], 10, return_logits=True, **kw)
     assert torch.isfinite(logits).all()
     np.testing.assert_array_equal(tokens.numpy()[0, decided], ref_tokens[0, decided])
@@ -525,7 +525,7 @@ def test_a_prefill_in_row_chunks_keeps_each_rows_window_and_sinks(f32, fx, monke
 def traced(monkeypatch):
     """compile=True through torch.compile even at few rows, where a CPU step would take the C++ kernels of
     cpu_decode (tests/v2/test_cpu_decode.py tests those)."""
-    monkeypatch.setattr(cpu_decode, "MAX_ROWS", 0)
+    monkeypatch.setattr(cpu_decode, "max_rows", lambda dtype: 0)  # every dtype, every CPU
 
 
 @pytest.mark.slow
@@ -619,7 +619,7 @@ model = SimpleAttentionNetwork.from_flax(params, ckpt.config)  # float32, as the
 prompts = np.load("tests/data/needle-v2-tiny.npz")["batch_prompts"]
 kernels.PREFILL_TOKENS = prompts.shape[1]  # one-row chunks: the chunked test's graph
 from needle_torch import cpu_decode
-cpu_decode.MAX_ROWS = 0  # the chunked test's torch.compile step (its `traced` fixture)
+cpu_decode.max_rows = lambda dtype: 0  # the chunked test's torch.compile step (its `traced` fixture)
 from parity_tests.devices import pinned_precision  # the test session's settings: part of inductor's cache key
 with pinned_precision():
     tokens = model.generate(prompts, 10, compile="all")  # the chunked test's cache length: its two graphs
