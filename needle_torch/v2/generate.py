@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
-from needle_torch import cpu_decode, cpu_hadamard, cpu_prefill, cpu_sinkhorn
+from needle_torch import cpu_decode, cpu_hadamard, cpu_prefill, cpu_route, cpu_sinkhorn
 from needle_torch.kernels import CompiledStep, keep_heap_for, prefill_rows
 from needle_torch.layers import make_causal_mask
 
@@ -212,9 +212,10 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     kernels.REDUCE_MAX_ROWS rows every product, are fused multiply-and-sums that read weights and cache in their own
     dtype (STEP_OPTIONS); from cpu_attention.MIN_UNITS rows x kv heads on (batch 8 at the published size), the
     attention is a C++ kernel of the same arithmetic instead (cpu_attention: batch 32 float32 steps 18 % faster);
-    above REDUCE_MAX_ROWS rows, in steps and compiled prefills, so are the lane routing's Sinkhorn (cpu_sinkhorn) and,
-    in float32, the Hadamard MLP (cpu_hadamard), each built once per width before the first compile; a compiled
-    float32 prefill's attention is one too (cpu_prefill).
+    above REDUCE_MAX_ROWS rows, in steps and compiled prefills, so are the lane routing's Sinkhorn (cpu_sinkhorn),
+    in float32 the Hadamard MLP (cpu_hadamard) and in bf16, where the CPU has the AVX512-BF16 dot products, the lane
+    routing's projections (cpu_route), each built once per width before the first compile; a compiled prefill's
+    attention is one too (cpu_prefill).
     Compiles once per (batch, buffer length, dtype, greedy or sampled); later requests reuse the graph, guards
     checked on their first step only (kernels.CompiledStep: not for concurrent threads). float32 logits stay within
     1e-6 of eager (6.5e-7 on the fixture; with the kernel, whose rounding is not SDPA's though as close to a float64
@@ -243,9 +244,10 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     fused = step_compiled and cpu_decode.applies(model, B)  # the C++ layer kernel instead of torch.compile
     traced = step_compiled and not fused
     cfg = model.config
-    if traced or prefill_compiled:  # the kernels those graphs call (CPU: the Sinkhorn; float32: the Hadamard MLP)
+    if traced or prefill_compiled:  # the kernels those graphs call (the Sinkhorn; the Hadamard MLP; the routing)
         cpu_sinkhorn.prepare(cfg.mhc_lanes, device)
         cpu_hadamard.prepare(cfg.d_model, cfg.hada_dim, model.dtype, device)
+        cpu_route.prepare(cfg.mhc_lanes, cfg.d_model, model.dtype, device)
     if prefill_compiled:  # float32: the prefill's attention
         cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
     cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=traced, fused=fused)

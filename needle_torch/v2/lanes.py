@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from needle_torch import cpu_sinkhorn
+from needle_torch import cpu_route, cpu_sinkhorn
 from needle_torch.kernels import as_reduction, compiling_for_cpu, matmul_nt
 
 RMS_EPS = 1e-6
@@ -117,8 +117,12 @@ def route(lanes: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     threads of a 2-core Zen 4 EPYC, the two forms alternating in one process: the batch-32 float32 compiled prefill
     3.99 against 4.38 s (medians of 8, faster in 7); batch-32 steps 46.4 against 46.8 ms (60 pairs, even). Not for
     bf16 lanes, which the product would read as a float32 copy: the batch-32 bf16 prefill took 3.87-3.91 against
-    3.28-3.79 s (medians, two processes each, alternating)."""
+    3.28-3.79 s (medians, two processes each, alternating). bf16 lanes with bf16 weights there take the C++ kernel of
+    cpu_route instead where the CPU has the AVX512-BF16 dot products (the same form, the sums on the bf16 units: the
+    batch-32 bf16 compiled prefill 2344-2378 against 2487-2637 ms, best of 3, alternating in one process)."""
     B, T, n, D = lanes.shape
+    if cpu_route.applies(lanes, phis):  # compiled CPU graphs of many bf16 rows: the C++ kernel
+        return cpu_route.route(lanes, phis)
     if lanes.dtype != torch.float32 or not compiling_for_cpu(lanes.device) or as_reduction(B * T, lanes.device):
         return project(flatten_lanes(lanes), phis)
     x = lanes.reshape(B, T, n * D)

@@ -1,0 +1,76 @@
+// Needle 2's lane-routing projections (NEEDLE_V2.md §3.8) for rows of bf16 lanes, for compiled CPU graphs: out = x̂ φᵀ
+// with x̂ = rms_unit(x), written as (x φᵀ)·rsqrt(mean(x²) + 1e-6) (lanes.route's compiled float32 form: the factor
+// after the sums). x and φ hold bf16 values, so every product x_i·φ_i is exact in float32 and the CPU's AVX512-BF16
+// dot products sum them in float32 (pairs of exact products, as the decode kernels' bf16 products): the float32
+// function up to the order of its sums and where the factor applies. Built by needle_torch/cpu_route.py through
+// inductor's C++ toolchain for CPUs with those dot products, with WIDTH (n·D, a multiple of 32) and OUTS (Σ out, a
+// multiple of 4) defined in front.
+//
+// x (rows, WIDTH) bf16; phi (OUTS, WIDTH) bf16; out (rows, OUTS) float32.
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <cmath>
+
+constexpr int64_t I = WIDTH, O = OUTS;
+static_assert(I % 32 == 0 && O % 4 == 0, "width a multiple of 32, outputs a multiple of 4");
+constexpr float EPS = 1e-6f;
+using bf16 = c10::BFloat16;
+#define DP_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+
+// The 16 lane sums of a[0..16) as one vector (decode_step.cpp's sums16: lane j = Σ a[j]'s lanes).
+constexpr int TREE[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+DP_TARGET static inline __m512 sums16(const __m512* a) {
+    __m512 c[8], d[4], e[2];
+    for (int j = 0; j < 8; ++j)
+        c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[TREE[j]], a[TREE[j + 8]], 0x44),
+                             _mm512_shuffle_f32x4(a[TREE[j]], a[TREE[j + 8]], 0xEE));
+    for (int j = 0; j < 4; ++j)
+        d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[j], c[j + 4], 0x88), _mm512_shuffle_f32x4(c[j], c[j + 4], 0xDD));
+    for (int j = 0; j < 2; ++j)
+        e[j] = _mm512_add_ps(_mm512_shuffle_ps(d[j], d[j + 2], 0x44), _mm512_shuffle_ps(d[j], d[j + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
+}
+
+// rsqrt(mean(f32(x)²) + eps) of one row
+DP_TARGET static inline float factor(const bf16* x) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < I; i += 16) {
+        __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(x + i))), 16));
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    return 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / float(I) + EPS);
+}
+
+// nv (<= 4) rows of x against the 4 rows of φ from o: y[v][k] = x_v · φ_(o+k), float32 sums of the dot products
+DP_TARGET static void block(const bf16* x, int64_t nv, const bf16* phi, float (*y)[4]) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < I; i += 32) {
+        __m512bh wv[4];
+        for (int k = 0; k < 4; ++k) wv[k] = (__m512bh)_mm512_loadu_si512(phi + k * I + i);
+        for (int64_t v = 0; v < nv; ++v) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + v * I + i);
+            for (int k = 0; k < 4; ++k) acc[v * 4 + k] = _mm512_dpbf16_ps(acc[v * 4 + k], wv[k], xv);
+        }
+    }
+    alignas(64) float s[16];
+    _mm512_store_ps(s, sums16(acc));
+    for (int64_t v = 0; v < nv; ++v)
+        for (int k = 0; k < 4; ++k) y[v][k] = s[v * 4 + k];
+}
+
+extern "C" void kernel(const bf16* x, const bf16* phi, float* out, int64_t rows) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // 4 rows at a time: φ (L2-resident) read once for the 4
+        const int64_t nv = rows - r0 < 4 ? rows - r0 : 4;
+        const bf16* xr = x + r0 * I;
+        float f[4];
+        for (int64_t v = 0; v < nv; ++v) f[v] = factor(xr + v * I);
+        for (int64_t o = 0; o < O; o += 4) {
+            float y[4][4];
+            block(xr, nv, phi + o * I, y);
+            for (int64_t v = 0; v < nv; ++v)
+                for (int k = 0; k < 4; ++k) out[(r0 + v) * O + o + k] = y[v][k] * f[v];
+        }
+    }
+}
