@@ -11,6 +11,7 @@ import ctypes
 import functools
 import math
 import os
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -532,12 +533,20 @@ def cpp_defines(pairs: Iterable[tuple[str, object]]) -> str:
     return "".join(f"#define {name} {value}\n" for name, value in pairs)
 
 
+def cpp_source(source: Path) -> str:
+    """The text of a C++ file of this package with each `#include "name"` line replaced by the text of the file
+    `name` beside it (the build compiles a string, which has no folder to look in)."""
+    return re.sub(r'^#include "([^"]+)"$', lambda m: (source.parent / m.group(1)).read_text(), source.read_text(),
+                  flags=re.MULTILINE)
+
+
 def cpp_kernel(source: Path, defines: Iterable[tuple[str, object]], argtypes: Sequence[str]):
-    """The extern "C" `kernel` of a C++ file of this package (csrc/) with `defines` in front, built through
-    inductor's C++ toolchain and disk cache (once per text), callable from Python with arguments of `argtypes`."""
+    """The extern "C" `kernel` of a C++ file of this package (csrc/) with `defines` in front and its local includes
+    inlined (cpp_source), built through inductor's C++ toolchain and disk cache (once per text), callable from
+    Python with arguments of `argtypes`."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), cpp_defines(defines) + source.read_text())
+    return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), cpp_defines(defines) + cpp_source(source))
 
 
 def walsh_entry(size: int, dtype: torch.dtype = torch.float32) -> float:

@@ -16,19 +16,7 @@ constexpr float EPS = 1e-6f;
 using bf16 = c10::BFloat16;
 #define DP_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
 
-// The 16 lane sums of a[0..16) as one vector (decode_step.cpp's sums16: lane j = Σ a[j]'s lanes).
-constexpr int TREE[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-DP_TARGET static inline __m512 sums16(const __m512* a) {
-    __m512 c[8], d[4], e[2];
-    for (int j = 0; j < 8; ++j)
-        c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[TREE[j]], a[TREE[j + 8]], 0x44),
-                             _mm512_shuffle_f32x4(a[TREE[j]], a[TREE[j + 8]], 0xEE));
-    for (int j = 0; j < 4; ++j)
-        d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[j], c[j + 4], 0x88), _mm512_shuffle_f32x4(c[j], c[j + 4], 0xDD));
-    for (int j = 0; j < 2; ++j)
-        e[j] = _mm512_add_ps(_mm512_shuffle_ps(d[j], d[j + 2], 0x44), _mm512_shuffle_ps(d[j], d[j + 2], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
-}
+#include "sums16.h"
 
 // rsqrt(mean(f32(x)²) + eps) of one row
 DP_TARGET static inline float factor(const bf16* x) {

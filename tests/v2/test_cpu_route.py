@@ -5,6 +5,8 @@ where the CPU has the dot products (tests/v2/test_torch_generate.py, test_cpu_pr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -108,3 +110,14 @@ def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkey
     monkeypatch.setattr(cpu_route, "product_path", lambda dtype: 1)
     assert_warns_once(lambda: cpu_route.prepare(LANES, D, torch.bfloat16, CPU))
     assert cpu_route._ready == {cpu_route._key(LANES * D, OUTS): False}
+
+
+def test_the_kernels_sources_inline_their_shared_header():
+    """The build compiles a string: kernels.cpp_source puts sums16.h's text where lane_route.cpp and decode_step.cpp
+    include it, once each, and leaves no local include behind (the toolchain would not find the file)."""
+    csrc = Path(cpu_route.__file__).with_name("csrc")
+    header = (csrc / "sums16.h").read_text()
+    for name in ("lane_route.cpp", "decode_step.cpp"):
+        text = kernels.cpp_source(csrc / name)
+        assert text.count(header) == 1, name
+        assert not any(line.startswith('#include "') for line in text.splitlines()), name
