@@ -10,7 +10,10 @@ once per (n·D, Σ out), and enters compiled graphs as the custom op `needle_twi
 
 Why: compiled, bf16 lanes took a fused pass writing x̂ as float32 (16 MB per 2048 tokens at the published size) and a
 float32 library product reading it back; here each row of lanes is read once, as bf16, and its 24 sums run on the
-bf16 units at twice the float32 rate.
+bf16 units at twice the float32 rate. 2048 rows of 4 x 512 (a prefill chunk at the published size), 2 threads of a
+2-core Zen 4 EPYC: 0.63 ms, where the compiled torch form took a 0.70 ms fused pass and a 1.48 ms product; the
+batch-32 bf16 compiled prefill of 256-token prompts 2344-2378 against 2487-2637 ms (best of 3 a round, the two forms
+alternating in one process).
 """
 
 from __future__ import annotations
