@@ -188,31 +188,7 @@ static void rows4(const Seg& sg, int64_t o, int64_t I) {
 
 #if defined(CPU_CAPABILITY_AVX512) && (defined(__clang__) || __GNUC__ >= 11)
 #define HAVE_DPBF16 1
-#include "sums16.h"
-
-// 4 weight rows against 4 input vectors with the bf16 dot products: each step loads the rows' 32 elements once for
-// the 4 vectors and each vector's once for the 4 rows, 16 float32 sums in registers, added up together (sums16).
-__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
-static void block4_dp(const c10::BFloat16* w, const c10::BFloat16* xh, int64_t xstride, float* y, int64_t ystride,
-                      int64_t I, bool fetch) {
-    __m512 acc[16];  // acc[v * 4 + k]: row k, vector v
-    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < I; i += 32) {
-        __m512bh wv[4];
-        for (int k = 0; k < 4; ++k) {
-            if (fetch) _mm_prefetch(reinterpret_cast<const char*>(w + k * I + i) + ROW_PREFETCH, _MM_HINT_T2);
-            wv[k] = (__m512bh)_mm512_loadu_si512(w + k * I + i);
-        }
-        for (int v = 0; v < 4; ++v) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + v * xstride + i);
-            for (int k = 0; k < 4; ++k) acc[v * 4 + k] = _mm512_dpbf16_ps(acc[v * 4 + k], wv[k], xv);
-        }
-    }
-    alignas(64) float out[16];
-    _mm512_store_ps(out, sums16(acc));
-    for (int v = 0; v < 4; ++v)
-        for (int k = 0; k < 4; ++k) y[v * ystride + k] = out[v * 4 + k];
-}
+#include "bf16_dots.h"
 
 // rows4 for bf16 weights and bf16-valued inputs with the CPU's bf16 dot products (AVX512-BF16: pairs of exact bf16
 // products added into float32 lanes); the caller checks that the CPU has them and that I % 32 == 0. A block of 4
@@ -227,7 +203,8 @@ static void rows4_dp(const c10::BFloat16* w, int64_t rows, const c10::BFloat16* 
     int64_t blocked = 0;
     if (rows == 4)
         for (; blocked + 4 <= nb; blocked += 4)
-            block4_dp(w, xh + blocked * xstride, xstride, y + blocked * ystride, ystride, I, blocked == 0);
+            block4_dp<4>(w, xh + blocked * xstride, xstride, y + blocked * ystride, ystride, I,
+                         blocked == 0 ? ROW_PREFETCH : 0);
     for (int64_t k = 0; k < rows; ++k) {  // row after row, at any number of vectors (see ROW_PREFETCH)
         const c10::BFloat16* wk = w + k * I;
         for (int64_t b0 = blocked; b0 < nb; b0 += 4) {

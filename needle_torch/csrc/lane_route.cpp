@@ -16,7 +16,7 @@ constexpr float EPS = 1e-6f;
 using bf16 = c10::BFloat16;
 #define DP_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
 
-#include "sums16.h"
+#include "bf16_dots.h"
 
 // rsqrt(mean(f32(x)²) + eps) of one row
 DP_TARGET static inline float factor(const bf16* x) {
@@ -29,22 +29,14 @@ DP_TARGET static inline float factor(const bf16* x) {
     return 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / float(I) + EPS);
 }
 
-// nv (<= 4) rows of x against the 4 rows of φ from o: y[v][k] = x_v · φ_(o+k), float32 sums of the dot products
-DP_TARGET static void block(const bf16* x, int64_t nv, const bf16* phi, float (*y)[4]) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < I; i += 32) {
-        __m512bh wv[4];
-        for (int k = 0; k < 4; ++k) wv[k] = (__m512bh)_mm512_loadu_si512(phi + k * I + i);
-        for (int64_t v = 0; v < nv; ++v) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + v * I + i);
-            for (int k = 0; k < 4; ++k) acc[v * 4 + k] = _mm512_dpbf16_ps(acc[v * 4 + k], wv[k], xv);
-        }
+// nv (<= 4) rows of x against the 4 rows of φ from o: y[v][k] = x_v · φ_(o+k) (bf16_dots.h's block4_dp)
+static void block(const bf16* x, int64_t nv, const bf16* phi, float (*y)[4]) {
+    switch (nv) {
+        case 4: return block4_dp<4>(phi, x, I, y[0], 4, I, 0);
+        case 3: return block4_dp<3>(phi, x, I, y[0], 4, I, 0);
+        case 2: return block4_dp<2>(phi, x, I, y[0], 4, I, 0);
+        default: return block4_dp<1>(phi, x, I, y[0], 4, I, 0);
     }
-    alignas(64) float s[16];
-    _mm512_store_ps(s, sums16(acc));
-    for (int64_t v = 0; v < nv; ++v)
-        for (int k = 0; k < 4; ++k) y[v][k] = s[v * 4 + k];
 }
 
 extern "C" void kernel(const bf16* x, const bf16* phi, float* out, int64_t rows) {

@@ -113,10 +113,10 @@ def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkey
 
 
 def test_the_kernels_sources_inline_their_shared_header():
-    """The build compiles a string: kernels.cpp_source puts sums16.h's text where lane_route.cpp and decode_step.cpp
+    """The build compiles a string: kernels.cpp_source puts bf16_dots.h's text where lane_route.cpp and decode_step.cpp
     include it, once each, and leaves no local include behind (the toolchain would not find the file)."""
     csrc = Path(cpu_route.__file__).with_name("csrc")
-    header = (csrc / "sums16.h").read_text()
+    header = (csrc / "bf16_dots.h").read_text()
     for name in ("lane_route.cpp", "decode_step.cpp"):
         text = kernels.cpp_source(csrc / name)
         assert text.count(header) == 1, name
