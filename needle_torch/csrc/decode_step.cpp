@@ -15,7 +15,7 @@
 // float32): products and sums in float32, rounded once per output element; the float32 islands (lane routing,
 // norm statistics, RoPE, softmax, the engram gate and its sum, the lane mix) in float32. It differs from eager only
 // in the order of float32 sums (dot products, the Walsh transform's butterflies instead of a dense product, the
-// softmax sum).
+// softmax sum), and, where the build has AVX512-BF16, in rounding float32 subnormals to zero (bf16_round.h).
 //
 // Why: at batch 1 the compiled torch step spent its time between kernels (Python wrapper calls, a dozen parallel
 // regions a layer with serial code between them); this is 2 + L calls a step and one region each.
@@ -78,10 +78,11 @@ static inline Vec load(const c10::BFloat16* p) {
     return out;
 }
 static inline float hsum(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); }
-// round every lane to SCALAR (round to nearest even, as torch's casts); the identity in float32
+#include "bf16_round.h"
+// round every lane to SCALAR (round_bf16); the identity in float32
 static inline Vec rv(Vec v) {
     if constexpr (std::is_same_v<T, float>) return v;
-    else return std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(v, v)));
+    else return round_bf16(v);
 }
 static const Vec ONE(1.0f);
 // sigmoid as the eager twin computes it: torch.sigmoid in float32; in bf16 1 / (1 + exp(-x)) rounded after each op
@@ -91,9 +92,7 @@ static inline float sigmoid(float x) {
     else return r(1.0f / r(1.0f + r(std::exp(-x))));
 }
 static inline void store(float* p, Vec v) { v.store(p); }
-static inline void store(c10::BFloat16* p, Vec v) {  // v's lanes already hold bf16 values
-    at::vec::convert_float_bfloat16(v, v).store(p, W);
-}
+static inline void store(c10::BFloat16* p, Vec v) { store_bf16(p, v); }  // v's lanes already hold bf16 values
 
 // A call's scratch: `n` elements of U carved from a buffer kept per calling thread (one per TAG) and grown on demand,
 // never zeroed: every element a kernel reads, it has written first. Fresh std::vectors each call cost a batch-32

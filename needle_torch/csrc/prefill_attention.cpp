@@ -6,8 +6,8 @@
 // output), the same function up to the order of the float32 operations. In bf16 (SCALAR c10::BFloat16) it is the
 // twin's bf16 flash attention: q, k, v widened to float32 (exact), float32 logits and softmax (the weights times
 // 1/Σ), the weights rounded to bf16 before p·v (as eager's probabilities cast to v's dtype), p·v summed in float32
-// and rounded once to bf16, with the sums on the CPU's AVX512-BF16 dot products where the caller found them
-// (attend_dp). Built by needle_torch/cpu_prefill.py through inductor's C++ toolchain, with these
+// and rounded once to bf16 (bf16_round.h), with the sums on the CPU's AVX512-BF16 dot products where the caller
+// found them (attend_dp). Built by needle_torch/cpu_prefill.py through inductor's C++ toolchain, with these
 // defined in front: SCALAR (float or c10::BFloat16: q, k, v and out; the bias is float32), GROUP (query heads per
 // kv head, consecutive) and HEAD (head dim).
 //
@@ -25,6 +25,7 @@
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
+#include "bf16_round.h"
 constexpr int64_t G = GROUP, H = HEAD, W = Vec::size(), J = HEAD / Vec::size(), KB = 2 * Vec::size();
 // Tiles by register file: AVX-512 builds have 32 vector registers, AVX2 ones (x86-64-v3: no EVEX encoding) 16, where
 // the 32-register tiles spill. One layer of a prefill chunk (8 x 256 tokens, 2 threads of a 2-core Zen 4 EPYC, medians
@@ -153,11 +154,7 @@ static void attend(const U* q, const U* k, const U* v, const float* bias, U* out
                     if constexpr (BF16) {  // the weights e·(1/Σ) rounded to bf16 (to nearest even), before p·v
                         const Vec vi(inv[r]);
                         int64_t j = 0;
-                        for (; j + W <= kend; j += W) {
-                            const Vec p = Vec::loadu(sr + j) * vi;
-                            std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(p, p)))
-                                .store(sr + j);
-                        }
+                        for (; j + W <= kend; j += W) round_bf16(Vec::loadu(sr + j) * vi).store(sr + j);
                         for (; j < kend; ++j) sr[j] = static_cast<float>(static_cast<U>(sr[j] * inv[r]));
                     }
                 }
@@ -182,8 +179,7 @@ static void attend(const U* q, const U* k, const U* v, const float* bias, U* out
                             const int64_t r = r0 + i;
                             U* o = out + ((b * T + a + r / G) * K * G + kk * G + r % G) * H + c0 * W;
                             if constexpr (BF16) {
-                                for (int64_t c = 0; c < PC; ++c)
-                                    at::vec::convert_float_bfloat16(acc[i][c], acc[i][c]).store(o + c * W, W);
+                                for (int64_t c = 0; c < PC; ++c) store_bf16(o + c * W, acc[i][c]);
                             } else {
                                 const Vec f(inv[r]);
                                 for (int64_t c = 0; c < PC; ++c) (acc[i][c] * f).store(o + c * W);
@@ -277,10 +273,7 @@ static void attend_dp(const c10::BFloat16* q, const c10::BFloat16* k, const c10:
                     const float inv = exp_row(sr, kend);
                     const Vec vi(inv);
                     int64_t j = 0;
-                    for (; j + W <= kend; j += W) {
-                        const Vec p = Vec::loadu(sr + j) * vi;
-                        at::vec::convert_float_bfloat16(p, p).store(pr + j, W);
-                    }
+                    for (; j + W <= kend; j += W) store_bf16(pr + j, Vec::loadu(sr + j) * vi);
                     for (; j < kend; ++j) pr[j] = static_cast<c10::BFloat16>(sr[j] * inv);
                     if (kend % 2) pr[kend] = static_cast<c10::BFloat16>(0.f);
                 }
@@ -305,10 +298,7 @@ static void attend_dp(const c10::BFloat16* q, const c10::BFloat16* k, const c10:
                     for (int64_t i = 0; i < nr; ++i) {
                         const int64_t r = r0 + i;
                         c10::BFloat16* o = out + ((b * T + a + r / G) * K * G + kk * G + r % G) * H;
-                        for (int64_t c = 0; c < J; ++c) {
-                            const Vec x(acc[i][c]);
-                            at::vec::convert_float_bfloat16(x, x).store(o + c * W, W);
-                        }
+                        for (int64_t c = 0; c < J; ++c) store_bf16(o + c * W, Vec(acc[i][c]));
                     }
                 }
             }

@@ -112,12 +112,16 @@ def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkey
     assert cpu_route._ready == {cpu_route._key(LANES * D, OUTS): False}
 
 
-def test_the_kernels_sources_inline_their_shared_header():
-    """The build compiles a string: kernels.cpp_source puts bf16_dots.h's text where lane_route.cpp and decode_step.cpp
-    include it, once each, and leaves no local include behind (the toolchain would not find the file)."""
+@pytest.mark.parametrize("header, sources", [
+    ("bf16_dots.h", ("lane_route.cpp", "decode_step.cpp")),
+    ("bf16_round.h", ("decode_step.cpp", "prefill_attention.cpp")),
+])
+def test_the_kernels_sources_inline_their_shared_headers(header, sources):
+    """The build compiles a string: kernels.cpp_source puts each shared header's text where a kernel's source includes
+    it, once each, and leaves no local include behind (the toolchain would not find the file)."""
     csrc = Path(cpu_route.__file__).with_name("csrc")
-    header = (csrc / "bf16_dots.h").read_text()
-    for name in ("lane_route.cpp", "decode_step.cpp"):
+    text_of_header = (csrc / header).read_text()
+    for name in sources:
         text = kernels.cpp_source(csrc / name)
-        assert text.count(header) == 1, name
+        assert text.count(text_of_header) == 1, name
         assert not any(line.startswith('#include "') for line in text.splitlines()), name
