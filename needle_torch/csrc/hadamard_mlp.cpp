@@ -1,16 +1,35 @@
-// The Hadamard MLP of Needle 2 (NEEDLE_V2.md §3.5) over rows of float32, for compiled CPU graphs: per row, z = (d1 ⊙
-// pad_P(x))·H_P, z = silu(d2 ⊙ z)·H_P, out = (d3 ⊙ z)[:D]. H_P's product is the unnormalised butterflies in float32
-// times H_P's entry cast(1/√P) (the dense product's terms in another order); everything else is the torch form's
-// float32 arithmetic. Built by needle_torch/cpu_hadamard.py through inductor's C++ toolchain, with DMODEL (D) and
-// HADA (P, a power of two >= D) defined in front; both multiples of the vector width.
+// The Hadamard MLP of Needle 2 (NEEDLE_V2.md §3.5) over rows of float32 or bf16, for compiled CPU graphs: per row,
+// z = (d1 ⊙ pad_P(x))·H_P, z = silu(d2 ⊙ z)·H_P, out = (d3 ⊙ z)[:D]. H_P's product is the unnormalised butterflies in
+// float32 times H_P's entry cast(1/√P) (the dense product's terms in another order); everything else is the eager
+// twin's arithmetic: in float32 its float32 ops, in bf16 every op's float32 value rounded to bf16 where eager's bf16
+// tensors round (the products with d1, d2, d3, each Walsh product once, the sigmoid's exp, sum and quotient, the
+// silu's product: r() below, the identity in float32), as decode_step.cpp's MLP. Built by needle_torch/cpu_hadamard.py
+// through inductor's C++ toolchain, with SCALAR (float or c10::BFloat16), DMODEL (D) and HADA (P, a power of two >= D)
+// defined in front; both multiples of the vector width.
 //
-// x, out (rows, D); d1, d2, d3 (P,).
+// x, out (rows, D) SCALAR; d1, d2, d3 (P,) SCALAR.
 #include <torch/csrc/inductor/cpp_prefix.h>
 
+using T = SCALAR;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t D = DMODEL, P = HADA, W = Vec::size();
 static_assert(D % W == 0 && P % W == 0, "widths must be multiples of the vector width");
 constexpr int64_t BLOCK = P / W < 8 ? P / W : 8;  // P / W is a power of two, so BLOCK divides it
+
+static inline Vec load(const float* p) { return Vec::loadu(p); }
+static inline Vec load(const c10::BFloat16* p) {  // W bf16 values widened to float32 (see decode_step.cpp's load)
+    Vec out;
+    at::vec::load_fp32_from_bf16(p, out);
+    return out;
+}
+#include "bf16_round.h"
+// round every lane to SCALAR (round_bf16); the identity in float32
+static inline Vec r(Vec v) {
+    if constexpr (std::is_same_v<T, float>) return v;
+    else return round_bf16(v);
+}
+static inline void store(float* p, Vec v) { v.store(p); }
+static inline void store(c10::BFloat16* p, Vec v) { store_bf16(p, v); }  // v's lanes already hold bf16 values
 
 // H_W's rows (entries ±1) for the butterflies within one vector of W lanes (Sylvester order: H_2m = [[H, H], [H, -H]])
 struct WithinVector {
@@ -26,7 +45,7 @@ struct WithinVector {
 
 // z = z · H_P (H_P = H_(P/W) ⊗ H_W): the butterflies of pairs less than W apart as one product of each vector with H_W
 // (W multiply-adds of ±1 terms), then the butterflies across vectors (pairs W, 2W, ..., P/2 apart), then times
-// H_P's entry; all in float32
+// H_P's entry; all in float32, rounded once to SCALAR
 static void walsh(float* z, float entry, const WithinVector& hw) {
     for (int64_t i = 0; i < P; i += BLOCK * W) {  // BLOCK vectors at a time: independent chains of multiply-adds
         Vec acc[BLOCK];
@@ -42,27 +61,26 @@ static void walsh(float* z, float entry, const WithinVector& hw) {
                 (a + b).store(z + j), (a - b).store(z + j + len);
             }
     Vec e(entry);
-    for (int64_t i = 0; i < P; i += W) (Vec::loadu(z + i) * e).store(z + i);
+    for (int64_t i = 0; i < P; i += W) r(Vec::loadu(z + i) * e).store(z + i);
 }
 
-extern "C" void kernel(const float* x, const float* d1, const float* d2, const float* d3, float* out, int64_t rows,
-                       float entry) {
+extern "C" void kernel(const T* x, const T* d1, const T* d2, const T* d3, T* out, int64_t rows, float entry) {
     static const WithinVector hw;
+    const Vec one(1.0f);
     #pragma omp parallel
     {
         alignas(64) float z[P];
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            const float* xr = x + r * D;
-            for (int64_t i = 0; i < P; i += W)
-                (i < D ? Vec::loadu(d1 + i) * Vec::loadu(xr + i) : Vec(0)).store(z + i);
+        for (int64_t i = 0; i < rows; ++i) {
+            const T* xr = x + i * D;
+            for (int64_t j = 0; j < P; j += W) (j < D ? r(load(d1 + j) * load(xr + j)) : Vec(0)).store(z + j);
             walsh(z, entry, hw);
-            for (int64_t i = 0; i < P; i += W) {
-                Vec v = Vec::loadu(d2 + i) * Vec::loadu(z + i);
-                (v * (Vec(1) / (Vec(1) + v.neg().exp()))).store(z + i);
+            for (int64_t j = 0; j < P; j += W) {  // silu(v) = v · σ(v), σ(v) = 1 / (1 + exp(-v))
+                Vec v = r(load(d2 + j) * Vec::loadu(z + j));
+                r(v * r(one / r(one + r(v.neg().exp())))).store(z + j);
             }
             walsh(z, entry, hw);
-            for (int64_t d = 0; d < D; d += W) (Vec::loadu(d3 + d) * Vec::loadu(z + d)).store(out + r * D + d);
+            for (int64_t d = 0; d < D; d += W) store(out + i * D + d, r(load(d3 + d) * Vec::loadu(z + d)));
         }
     }
 }

@@ -213,9 +213,9 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     dtype (STEP_OPTIONS); from cpu_attention.MIN_UNITS rows x kv heads on (batch 8 at the published size), the
     attention is a C++ kernel of the same arithmetic instead (cpu_attention: batch 32 float32 steps 18 % faster);
     above REDUCE_MAX_ROWS rows, in steps and compiled prefills, so are the lane routing's Sinkhorn (cpu_sinkhorn),
-    in float32 the Hadamard MLP (cpu_hadamard) and in bf16, where the CPU has the AVX512-BF16 dot products, the lane
-    routing's projections (cpu_route), each built once per width before the first compile; a compiled prefill's
-    attention is one too (cpu_prefill).
+    the Hadamard MLP (cpu_hadamard, float32 and bf16) and in bf16, where the CPU has the AVX512-BF16 dot products,
+    the lane routing's projections (cpu_route), each built once per width before the first compile; a compiled
+    prefill's attention is one too (cpu_prefill).
     Compiles once per (batch, buffer length, dtype, greedy or sampled); later requests reuse the graph, guards
     checked on their first step only (kernels.CompiledStep: not for concurrent threads). float32 logits stay within
     1e-6 of eager (6.5e-7 on the fixture; with the kernel, whose rounding is not SDPA's though as close to a float64

@@ -355,7 +355,7 @@ class HadamardMLP(nn.Module):
         self.d3 = nn.Parameter(torch.full((P,), 0.02))
 
     def forward(self, x: Tensor) -> Tensor:
-        if cpu_hadamard.applies(x, self.d1):  # compiled CPU graphs of many float32 rows: the C++ kernel
+        if cpu_hadamard.applies(x, self.d1):  # compiled CPU graphs of many float32 or bf16 rows: the C++ kernel
             return cpu_hadamard.mlp(x, self.d1, self.d2, self.d3)
         x = F.pad(x, (0, self.d1.shape[0] - self.d_model))  # (B, T, P), zeros past D
         z = walsh_transform(self.d1 * x)
