@@ -15,7 +15,9 @@
 // float32): products and sums in float32, rounded once per output element; the float32 islands (lane routing,
 // norm statistics, RoPE, softmax, the engram gate and its sum, the lane mix) in float32. It differs from eager only
 // in the order of float32 sums (dot products, the Walsh transform's butterflies instead of a dense product, the
-// softmax sum), and, where the build has AVX512-BF16, in rounding float32 subnormals to zero (bf16_round.h).
+// softmax sum), in the lane routing's rms factor on bf16 lanes with the dot products (applied to the products' sums,
+// not their inputs: lanes.route's compiled form), and, where the build has AVX512-BF16, in rounding float32
+// subnormals to zero (bf16_round.h).
 //
 // Why: at batch 1 the compiled torch step spent its time between kernels (Python wrapper calls, a dozen parallel
 // regions a layer with serial code between them); this is 2 + L calls a step and one region each.
@@ -471,18 +473,22 @@ extern "C" void kernel(const int64_t* table, const T* lanes, T* out, const bool*
     const float scale = 1.0f / std::sqrt(float(HD));
     // per-row float32 scratch, each holding SCALAR-rounded values where the eager twin holds SCALAR tensors;
     // xnh, atth: the inputs of the bf16 dot products as bf16
-    Scratch<float> xhat, proj, hpre, hpost, hres, u, x, xn, qkvg, att, o, z, s;
+    Scratch<float> xhat, rms, proj, hpre, hpost, hres, u, x, xn, qkvg, att, o, z, s;
     Scratch<T> xnh, atth;
     Scratch<uint32_t> vnni;
-    carve<float, 0>({{&xhat, B * ND}, {&proj, B * R}, {&hpre, B * N}, {&hpost, B * N}, {&hres, B * N * N}, {&u, B * D},
-                     {&x, B * D}, {&xn, B * D}, {&qkvg, B * QKVG}, {&att, B * A}, {&o, B * D}, {&z, B * P},
+    carve<float, 0>({{&xhat, B * ND}, {&rms, B}, {&proj, B * R}, {&hpre, B * N}, {&hpost, B * N}, {&hres, B * N * N},
+                     {&u, B * D}, {&x, B * D}, {&xn, B * D}, {&qkvg, B * QKVG}, {&att, B * A}, {&o, B * D}, {&z, B * P},
                      {&s, B * H * S}});
     carve<T, 1>({{&xnh, B * D}, {&atth, B * A}});
     carve<uint32_t, 2>({{&vnni, std::max(vnni_words(B, D), vnni_words(B, A))}});
     // x̂ φᵀ for φ_pre, φ_post, φ_res into proj; q, gate, k, v (in that order) into qkvg; out_proj into o
-    const Seg phi[3] = {{ptr(PHI_PRE), N, xhat.data(), nullptr, B, ND, proj.data(), R},
-                        {ptr(PHI_POST), N, xhat.data(), nullptr, B, ND, proj.data() + N, R},
-                        {ptr(PHI_RES), N * N, xhat.data(), nullptr, B, ND, proj.data() + 2 * N, R}};
+    // bf16 lanes on the bf16 dot products (dp, ND a whole number of 32-element steps): x φᵀ of the lanes themselves,
+    // each row's sums then times rms_unit's factor (lanes.route's compiled form; x̂ is never written)
+    const bool lane_dp = !std::is_same_v<T, float> && dp && ND % 32 == 0;
+    const T* lx = lane_dp ? lanes : nullptr;
+    const Seg phi[3] = {{ptr(PHI_PRE), N, xhat.data(), lx, B, ND, proj.data(), R},
+                        {ptr(PHI_POST), N, xhat.data(), lx, B, ND, proj.data() + N, R},
+                        {ptr(PHI_RES), N * N, xhat.data(), lx, B, ND, proj.data() + 2 * N, R}};
     const Seg qgkv[4] = {{ptr(WQ), A, xn.data(), xnh.data(), B, D, qkvg.data(), QKVG},
                          {ptr(WGATE), A, xn.data(), xnh.data(), B, D, qkvg.data() + A, QKVG},
                          {ptr(WK), KV, xn.data(), xnh.data(), B, D, qkvg.data() + 2 * A, QKVG},
@@ -490,16 +496,28 @@ extern "C" void kernel(const int64_t* table, const T* lanes, T* out, const bool*
     const Seg out_proj = {ptr(WOUT), D, att.data(), atth.data(), B, A, o.data(), D};
     #pragma omp parallel
     {
-        // ---- lane routing inputs: x̂ = rms_unit(lanes flattened), then x̂ φᵀ for φ_pre, φ_post, φ_res
+        // ---- lane routing inputs: x̂ = rms_unit(lanes flattened), then x̂ φᵀ for φ_pre, φ_post, φ_res (lane_dp:
+        // rms_unit's factor alone, then (x φᵀ)·factor)
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; ++b) {
             const T* l = lanes + b * ND;
             float* xh = xhat.data() + b * ND;
+            if (lane_dp) {
+                Vec acc(0);
+                for (int64_t i = 0; i < ND; i += W) acc = at::vec::fmadd(load(l + i), load(l + i), acc);
+                rms[b] = 1.0f / std::sqrt(hsum(acc) / ND + EPS);
+                continue;
+            }
             for (int64_t i = 0; i < ND; i += W) load(l + i).store(xh + i);
             Vec inv(1.0f / std::sqrt(sum_squares(xh, ND) / ND + EPS));
             for (int64_t i = 0; i < ND; i += W) (Vec::loadu(xh + i) * inv).store(xh + i);
         }
-        project(phi, 3, ND, false);
+        project(phi, 3, ND, lane_dp ? 1 : 0);  // (no AMX tiles: their scratch is sized for D-wide inputs)
+        if (lane_dp) {
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t j = 0; j < R; ++j) proj[b * R + j] *= rms[b];
+        }
         // ---- hres = Sinkhorn(a_res·(x̂ φ_res) + b_res) (see sinkhorn_rows)
         #pragma omp for schedule(static)
         for (int64_t b0 = 0; b0 < B; b0 += B < SINKHORN_LANES ? 1 : W) {
