@@ -483,7 +483,9 @@ extern "C" void kernel(const int64_t* table, const T* lanes, T* out, const bool*
     carve<uint32_t, 2>({{&vnni, std::max(vnni_words(B, D), vnni_words(B, A))}});
     // x̂ φᵀ for φ_pre, φ_post, φ_res into proj; q, gate, k, v (in that order) into qkvg; out_proj into o
     // bf16 lanes on the bf16 dot products (dp, ND a whole number of 32-element steps): x φᵀ of the lanes themselves,
-    // each row's sums then times rms_unit's factor (lanes.route's compiled form; x̂ is never written)
+    // each row's sums then times rms_unit's factor (lanes.route's compiled form; x̂ is never written). Published size,
+    // 2-core Zen 4 EPYC, batch-32 bf16 steps: 21.5-27.3 against 24.9-27.9 ms for float32 products of x̂ (processes
+    // alternating, medians of 63).
     const bool lane_dp = !std::is_same_v<T, float> && dp && ND % 32 == 0;
     const T* lx = lane_dp ? lanes : nullptr;
     const Seg phi[3] = {{ptr(PHI_PRE), N, xhat.data(), lx, B, ND, proj.data(), R},
