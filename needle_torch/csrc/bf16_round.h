@@ -21,5 +21,7 @@ static inline void store_bf16(c10::BFloat16* p, Vec v) {
 static inline Vec round_bf16(Vec v) {
     return std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(v, v)));
 }
-static inline void store_bf16(c10::BFloat16* p, Vec v) { at::vec::convert_float_bfloat16(v, v).store(p, Vec::size()); }
+static inline void store_bf16(c10::BFloat16* p, Vec v) {
+    at::vec::convert_float_bfloat16(v, v).store(p, Vec::size());
+}
 #endif
