@@ -17,14 +17,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t G = GROUP, H = HEAD, W = Vec::size(), J = HEAD / Vec::size();
 static_assert(HEAD % Vec::size() == 0, "head dim must be a multiple of the vector width");
 
-static inline Vec load(const float* p) { return Vec::loadu(p); }
-// W bf16 values widened to float32 from one plain load: the counted form loadu(p, W) of a Vectorized<BFloat16>
-// (2W lanes) copies through the stack on AVX2 (a memcpy, then a wider load that store forwarding cannot serve)
-static inline Vec load(const c10::BFloat16* p) {
-    Vec out;
-    at::vec::load_fp32_from_bf16(p, out);
-    return out;
-}
+#include "bf16_lanes.h"
 
 extern "C" void kernel(const float* q, const scalar_t* k, const scalar_t* v, const bool* mask, scalar_t* out,
                        int64_t B, int64_t K, int64_t M, float scale, float masked) {

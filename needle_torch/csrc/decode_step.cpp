@@ -17,7 +17,7 @@
 // in the order of float32 sums (dot products, the Walsh transform's butterflies instead of a dense product, the
 // softmax sum), in the lane routing's rms factor on bf16 lanes with the dot products (applied to the products' sums,
 // not their inputs: lanes.route's compiled form), and, where the build has AVX512-BF16, in rounding float32
-// subnormals to zero (bf16_round.h).
+// subnormals to zero (bf16_lanes.h).
 //
 // Why: at batch 1 the compiled torch step spent its time between kernels (Python wrapper calls, a dozen parallel
 // regions a layer with serial code between them); this is 2 + L calls a step and one region each.
@@ -71,16 +71,8 @@ enum Slot {
 };
 
 static inline float r(float x) { return static_cast<float>(static_cast<T>(x)); }  // round to SCALAR
-static inline Vec load(const float* p) { return Vec::loadu(p); }
-// W bf16 values widened to float32 from one plain load: the counted form loadu(p, W) of a Vectorized<BFloat16>
-// (2W lanes) copies through the stack on AVX2 (a memcpy, then a wider load that store forwarding cannot serve)
-static inline Vec load(const c10::BFloat16* p) {
-    Vec out;
-    at::vec::load_fp32_from_bf16(p, out);
-    return out;
-}
+#include "bf16_lanes.h"
 static inline float hsum(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); }
-#include "bf16_round.h"
 // round every lane to SCALAR (round_bf16); the identity in float32
 static inline Vec rv(Vec v) {
     if constexpr (std::is_same_v<T, float>) return v;
@@ -375,9 +367,10 @@ static void project(const Seg* segs, int64_t n, int64_t I, int64_t dp, uint32_t*
 #endif
 }
 
-static inline float sum_squares(const float* x, int64_t n) {
+template <class U>  // float or SCALAR (widened exactly)
+static inline float sum_squares(const U* x, int64_t n) {
     Vec acc(0);
-    for (int64_t i = 0; i < n; i += W) acc = at::vec::fmadd(Vec::loadu(x + i), Vec::loadu(x + i), acc);
+    for (int64_t i = 0; i < n; i += W) acc = at::vec::fmadd(load(x + i), load(x + i), acc);
     return hsum(acc);
 }
 
@@ -503,16 +496,10 @@ extern "C" void kernel(const int64_t* table, const T* lanes, T* out, const bool*
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; ++b) {
             const T* l = lanes + b * ND;
+            rms[b] = 1.0f / std::sqrt(sum_squares(l, ND) / ND + EPS);
+            if (lane_dp) continue;
             float* xh = xhat.data() + b * ND;
-            if (lane_dp) {
-                Vec acc(0);
-                for (int64_t i = 0; i < ND; i += W) acc = at::vec::fmadd(load(l + i), load(l + i), acc);
-                rms[b] = 1.0f / std::sqrt(hsum(acc) / ND + EPS);
-                continue;
-            }
-            for (int64_t i = 0; i < ND; i += W) load(l + i).store(xh + i);
-            Vec inv(1.0f / std::sqrt(sum_squares(xh, ND) / ND + EPS));
-            for (int64_t i = 0; i < ND; i += W) (Vec::loadu(xh + i) * inv).store(xh + i);
+            for (int64_t i = 0; i < ND; i += W) (load(l + i) * Vec(rms[b])).store(xh + i);
         }
         project(phi, 3, ND, lane_dp ? 1 : 0);  // (no AMX tiles: their scratch is sized for D-wide inputs)
         if (lane_dp) {

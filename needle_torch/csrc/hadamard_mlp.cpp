@@ -16,13 +16,7 @@ constexpr int64_t D = DMODEL, P = HADA, W = Vec::size();
 static_assert(D % W == 0 && P % W == 0, "widths must be multiples of the vector width");
 constexpr int64_t BLOCK = P / W < 8 ? P / W : 8;  // P / W is a power of two, so BLOCK divides it
 
-static inline Vec load(const float* p) { return Vec::loadu(p); }
-static inline Vec load(const c10::BFloat16* p) {  // W bf16 values widened to float32 (see decode_step.cpp's load)
-    Vec out;
-    at::vec::load_fp32_from_bf16(p, out);
-    return out;
-}
-#include "bf16_round.h"
+#include "bf16_lanes.h"
 // round every lane to SCALAR (round_bf16); the identity in float32
 static inline Vec r(Vec v) {
     if constexpr (std::is_same_v<T, float>) return v;

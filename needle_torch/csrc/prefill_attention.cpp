@@ -6,7 +6,7 @@
 // output), the same function up to the order of the float32 operations. In bf16 (SCALAR c10::BFloat16) it is the
 // twin's bf16 flash attention: q, k, v widened to float32 (exact), float32 logits and softmax (the weights times
 // 1/Σ), the weights rounded to bf16 before p·v (as eager's probabilities cast to v's dtype), p·v summed in float32
-// and rounded once to bf16 (bf16_round.h), with the sums on the CPU's AVX512-BF16 dot products where the caller
+// and rounded once to bf16 (bf16_lanes.h), with the sums on the CPU's AVX512-BF16 dot products where the caller
 // found them (attend_dp). Built by needle_torch/cpu_prefill.py through inductor's C++ toolchain, with these
 // defined in front: SCALAR (float or c10::BFloat16: q, k, v and out; the bias is float32), GROUP (query heads per
 // kv head, consecutive) and HEAD (head dim).
@@ -25,7 +25,7 @@
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
-#include "bf16_round.h"
+#include "bf16_lanes.h"
 constexpr int64_t G = GROUP, H = HEAD, W = Vec::size(), J = HEAD / Vec::size(), KB = 2 * Vec::size();
 // Tiles by register file: AVX-512 builds have 32 vector registers, AVX2 ones (x86-64-v3: no EVEX encoding) 16, where
 // the 32-register tiles spill. One layer of a prefill chunk (8 x 256 tokens, 2 threads of a 2-core Zen 4 EPYC, medians

@@ -1,7 +1,18 @@
-// Float32 vectors rounded to bf16, for the kernels that hold bf16 values in float32 lanes (decode_step.cpp,
-// hadamard_mlp.cpp, prefill_attention.cpp); the includer defines Vec (at::vec::Vectorized<float>).
-// needle_torch.kernels.cpp_source inlines this file where a kernel names it in an `#include "bf16_round.h"` line.
+// Float32 vectors from and to bf16, for the kernels that hold bf16 values in float32 lanes (decode_step.cpp,
+// decode_attention.cpp, hadamard_mlp.cpp, prefill_attention.cpp); the includer defines Vec
+// (at::vec::Vectorized<float>). needle_torch.kernels.cpp_source inlines this file where a kernel names it in an
+// `#include "bf16_lanes.h"` line.
 //
+// load(p): W float32 values, or W bf16 values widened to float32 from one plain load (the counted form loadu(p, W)
+// of a Vectorized<BFloat16> (2W lanes) copies through the stack on AVX2: a memcpy, then a wider load that store
+// forwarding cannot serve).
+static inline Vec load(const float* p) { return Vec::loadu(p); }
+static inline Vec load(const c10::BFloat16* p) {
+    Vec out;
+    at::vec::load_fp32_from_bf16(p, out);
+    return out;
+}
+
 // round_bf16(v): each lane rounded to the nearest bf16 (ties to even), as float32; store_bf16(p, v): the lanes so
 // rounded, stored as bf16. Where the build has AVX512-BF16 (inductor adds it for CPUs that have it), one conversion
 // instruction (vcvtneps2bf16) rounds 16 lanes. It gives torch's bf16 for every float32 of magnitude 2^-126 or more
