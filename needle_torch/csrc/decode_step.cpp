@@ -395,11 +395,12 @@ static inline __m256 butterflies(__m256 v, __m256 s) {
 #endif
 
 // z = x · cast(H_P) for the Sylvester-Walsh matrix: the unnormalised butterflies in float32, times H_P's entry.
-// The pairs less than a vector apart (1, 2, 4 and, with AVX-512, 8) stay in registers, a vector at a time: each
-// level's a + b and a - b from the vector and its lanes swapped by that distance, the lanes whose partner lies below
-// taking the difference (the same butterflies as one pair at a time, bit for bit; not one product with H_W as in
-// hadamard_mlp.cpp). Published size, bf16, 32 rows, one thread (cycle counts per layer): the MLP and lane mix 72.5
-// against 107.6 us one pair at a time; float32 at 16 rows 31.6-38.0 against 44.8-51.2 us.
+// In AVX-512 and AVX2 builds the pairs less than a vector apart (1, 2, 4 and, with AVX-512, 8) stay in registers, a
+// vector at a time (other builds take them one pair at a time): each level's a + b and a - b from the vector and its
+// lanes swapped by that distance, the lanes whose partner lies below taking the difference (the same butterflies as
+// one pair at a time, bit for bit; not one product with H_W as in hadamard_mlp.cpp). Published size, one thread,
+// cycle counts per layer of the MLP and lane mix: bf16 at 32 rows 72.5 against 107.6 us one pair at a time, float32
+// at 16 rows 31.6-38.0 against 44.8-51.2 us.
 static void walsh(float* z, float entry) {
     int64_t len = 1;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -595,8 +596,9 @@ extern "C" void kernel(const int64_t* table, const T* lanes, T* out, const bool*
                 float* v = hh < H ? q + hh * HD : q + 2 * A + (hh - H) * HD;
                 zc_norm(v, ptr(hh < H ? Q_NORM : K_NORM), tmp, HD);
                 // RoPE on vectors of the two halves: the same operations lane by lane as one pair at a time. Published
-                // size, bf16, 32 rows, one thread (cycle counts per layer): this phase (the roundings, q/k norms, RoPE,
-                // the K/V stores) 25.2 against 49.6 us one pair at a time, whose scalar roundings to bf16 cost most
+                // size, one thread, cycle counts per layer of this phase (the roundings, q/k norms, RoPE, the K/V
+                // stores): bf16 at 32 rows 25.2 against 49.6 us one pair at a time, float32 at 16 rows 12.6-14.5
+                // against 18.6-19.8 us
                 if constexpr ((HD / 2) % W == 0) {
                     for (int64_t i = 0; i < HD / 2; i += W) {
                         const Vec x1 = Vec::loadu(tmp + i), x2 = Vec::loadu(tmp + i + HD / 2);
