@@ -7,7 +7,7 @@ mix) and the step's end (lane mean, final_norm, tied logits). They keep the eage
 its roundings to the compute dtype, and differ from it only in the order of float32 sums (dot products, the Walsh
 transform as butterflies instead of a dense product): float32 layers within 8.4e-7 of eager, bf16 layers bit for
 bit in nearly every element. Built through inductor's C++ toolchain and cache once per (kernel, dtype, model
-shape); a step calls them with tables of parameter pointers, 2 + L calls, no graph.
+shape); a step calls them with tables of parameter pointers, 3 calls (the lane layers in one), no graph.
 
 Why: at batch 1 the compiled torch step spent its time between kernels, not in them: the inductor wrapper's
 Python calls and a dozen parallel regions a layer with serial code between them (AOTInductor without the wrapper
@@ -84,8 +84,8 @@ BLOCK_PARAMETERS = (
 )
 ENGRAM_PARAMETERS = ("embedding", "key_proj.weight", "value_proj.weight", "taps")
 _ARGTYPES = {
-    LAYER: ["const int64_t*", "const T*", "T*", "const bool*", "const float*", "const float*", "const float*",
-            "const T*", "int64_t", "int64_t", "int64_t", "float", "float", "int64_t", "int64_t"],
+    LAYER: ["const int64_t*", "int64_t", "T*", "T*", "const bool*", "const float*", "const float*", "const float*",
+            "const T*", "const int64_t*", "int64_t", "int64_t", "int64_t", "float", "float", "int64_t"],
     ENGRAM: ["const int64_t*", "const int64_t*", "const bool*", "float*", "T*", "int64_t", "int64_t"],
     HEAD: ["const int64_t*", "const T*", "float*", "int64_t", "int64_t", "int64_t"],
 }
@@ -160,14 +160,16 @@ def _table(tensors: list[Tensor]) -> Tensor:
 
 @dataclass
 class Fused:
-    """One request's kernel state: the kernels, one pointer table per lane layer (int64, 27 pointers), the engram
-    sites' table (4 pointers a site) and the head's, the tensors they point into (kept alive with them), the Walsh
+    """One request's kernel state: the kernels, the lane layers' pointer tables (int64 (L, 27)) and the engram site
+    each layer injects (int64 (L,), -1 for none), the engram sites' table (4 pointers a site) and the head's, the
+    tensors they point into (kept alive with them), the Walsh
     matrix's entry cast(1/√P), the masked logit, the buffer length M, how the bf16 products run (dp: 0 float32
     multiply-adds on upcast loads, 1 the CPU's bf16 dot products, 2 AMX tiles too), and the shapes the outputs take
     (sites G, d_model D, vocab V, compute dtype)."""
 
     kernels: dict[int, object]
-    layers: list[Tensor]
+    layers: Tensor
+    site: Tensor
     engram: Tensor
     head: Tensor
     tensors: list[Tensor]
@@ -199,8 +201,10 @@ def fuse(model: nn.Module, k: list[Tensor], v: list[Tensor], offsets: list[tuple
     entry = walsh_entry(P, model.dtype)
     dp = product_path(model.dtype)
     cfg = model.config
-    return Fused(_built[_defines(model.dtype, cfg)], layers, _table(sites), _table(head), tensors, entry, masked,
-                 k[0].shape[2], dp, cfg.num_sites, cfg.d_model, cfg.vocab_size, model.dtype)
+    site = torch.tensor([model.stack.sites.index(i) if i in model.stack.sites else -1 for i in range(len(layers))],
+                        dtype=torch.int64)
+    return Fused(_built[_defines(model.dtype, cfg)], torch.stack(layers), site, _table(sites), _table(head), tensors,
+                 entry, masked, k[0].shape[2], dp, cfg.num_sites, cfg.d_model, cfg.vocab_size, model.dtype)
 
 
 def engram(fused: Fused, hist: Tensor, hist_valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -214,30 +218,38 @@ def engram(fused: Fused, hist: Tensor, hist_valid: Tensor) -> tuple[Tensor, Tens
 
 
 def run_layers(fused: Fused, x0: Tensor, lanes: int, mask: Tensor, cos: Tensor, sin: Tensor, pos: int,
-               sites: tuple[int, ...], ek_unit: Tensor | None, ev: Tensor | None) -> Tensor:
-    """The lane layers of one decoding step: x0 (B, 1, D) in the compute dtype -> the lanes (B, 1, n, D).
+               ek_unit: Tensor | None, ev: Tensor | None) -> Tensor:
+    """The lane layers of one decoding step, in one kernel call: x0 (B, 1, D) in the compute dtype -> the lanes
+    (B, 1, n, D).
 
-    mask (B, 1, 1, pos + 1) over the keys (make_decode_mask); cos, sin (1, h/2) at position pos; sites[g] the
-    layer of engram site g, whose rms_unit(key) ek_unit and value ev are (G, B, 1, D)."""
+    mask (B, 1, 1, pos + 1) over the keys (make_decode_mask); cos, sin (1, h/2) at position pos; ek_unit and ev
+    (G, B, 1, D) every engram site's rms_unit(key) and value (fused.site: which layer injects which)."""
     B, _, D = x0.shape
     x = x0[:, :, None, :].expand(B, 1, lanes, D).contiguous()  # (B, 1, n, D)
     y = torch.empty_like(x)
-    mask = mask.reshape(B, -1).contiguous()  # (B, pos + 1)
-    for i in range(len(fused.layers)):
-        g = sites.index(i) if i in sites else -1
-        layer(fused, i, x, y, mask, cos, sin, pos, None if g < 0 else (ek_unit[g], ev[g]))
-        x, y = y, x
-    return x
+    if ek_unit is None:  # no engram sites: every layer's site is -1, so the kernel reads neither
+        ek_unit, ev = x.new_empty(0, dtype=torch.float32), x.new_empty(0)
+    _call(fused, fused.layers, fused.site, x, y, mask.reshape(B, -1).contiguous(), cos, sin, pos, ek_unit, ev)
+    return x if len(fused.layers) % 2 == 0 else y
 
 
 def layer(fused: Fused, i: int, lanes: Tensor, out: Tensor, mask: Tensor, cos: Tensor, sin: Tensor, pos: int,
           engram: tuple[Tensor, Tensor] | None = None) -> None:
-    """Lane layer i of a decoding step: lanes (B, 1, n, D) -> out (the same shape, written), K and V into the cache
-    at pos. mask (B, pos + 1) bool over the keys; cos, sin (1, h/2) at pos; engram: this layer's site's
+    """Lane layer i of a decoding step alone: lanes (B, 1, n, D) -> out (the same shape, written), K and V into the
+    cache at pos. mask (B, pos + 1) bool over the keys; cos, sin (1, h/2) at pos; engram: this layer's site's
     (rms_unit(key), value), each (B, 1, D), or None."""
-    ek, ev = engram if engram is not None else (lanes.new_empty(0, dtype=torch.float32), lanes.new_empty(0))
-    fused.kernels[LAYER](fused.layers[i], lanes, out, mask, cos, sin, ek, ev, lanes.shape[0], pos, fused.length,
-                         fused.walsh_entry, fused.masked, int(engram is not None), fused.dp)
+    if engram is None:
+        site, ek, ev = torch.tensor([-1]), lanes.new_empty(0, dtype=torch.float32), lanes.new_empty(0)
+    else:
+        site, ek, ev = torch.tensor([0]), engram[0].contiguous(), engram[1].contiguous()
+    _call(fused, fused.layers[i:i + 1], site, lanes, out, mask, cos, sin, pos, ek, ev)
+
+
+def _call(fused: Fused, tables: Tensor, site: Tensor, x: Tensor, y: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
+          pos: int, ek: Tensor, ev: Tensor) -> None:
+    """The layer kernel over tables' layers, x and y each layer's input and output in turn (decode_step.cpp)."""
+    fused.kernels[LAYER](tables, len(tables), x, y, mask, cos, sin, ek, ev, site, x.shape[0], pos, fused.length,
+                         fused.walsh_entry, fused.masked, fused.dp)
 
 
 def logits(fused: Fused, lanes: Tensor) -> Tensor:

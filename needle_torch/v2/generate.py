@@ -200,7 +200,7 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     CPU's bf16 units: batch 32 48.0 against 70.7 ms a step for the torch.compile one on AMX tiles, 26.9-30.8 against
     32.8-39.7 ms with the AVX512-BF16 dot products alone), float32 or bf16, the twin's own plain modules (no hooks, no
     LoRA wrappers), every step runs through the C++ kernels of cpu_decode instead of a graph:
-    the engram sites, one call per lane layer, the logits; eager's roundings, float32 sums in another order (f32
+    the engram sites, the lane layers (one call), the logits; eager's roundings, float32 sums in another order (f32
     logits within 1e-6 of eager on the fixture, bf16 layers bit for bit on the test models). At the published size
     on a 2-core AMX Xeon, batch 1, the kernels' steps against the torch.compile step side by side: float32 69.9
     against 43.6 tok/s, bf16 115.2 against 53.0 (65 % of the memory bound measured in the same process), with no

@@ -750,7 +750,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         if cache.fused is not None and S == 1 and not isinstance(pos, Tensor):  # the C++ step (cpu_decode)
             ek_unit, ev = cpu_decode.engram(cache.fused, hist, hist_valid) if len(self.engrams) else (None, None)
             lanes = cpu_decode.run_layers(cache.fused, self._embed(tokens).to(self.dtype), self.config.mhc_lanes, mask,
-                                          *rope, pos, self.stack.sites, ek_unit, ev)
+                                          *rope, pos, ek_unit, ev)
             return cpu_decode.logits(cache.fused, lanes)
         ek, ev = self._decode_engram(hist, hist_valid, S)
         x, _ = self.stack(self._embed(tokens), mask, rope, False, ek, ev, kv=(cache.k, cache.v, pos, cache.offsets))
