@@ -162,10 +162,9 @@ def _table(tensors: list[Tensor]) -> Tensor:
 class Fused:
     """One request's kernel state: the kernels, the lane layers' pointer tables (int64 (L, 27)) and the engram site
     each layer injects (int64 (L,), -1 for none), the engram sites' table (4 pointers a site) and the head's, the
-    tensors they point into (kept alive with them), the Walsh
-    matrix's entry cast(1/√P), the masked logit, the buffer length M, how the bf16 products run (dp: 0 float32
-    multiply-adds on upcast loads, 1 the CPU's bf16 dot products, 2 AMX tiles too), and the shapes the outputs take
-    (sites G, d_model D, vocab V, compute dtype)."""
+    tensors they point into (kept alive with them), the Walsh matrix's entry cast(1/√P), the masked logit, the
+    buffer length M, how the bf16 products run (dp: 0 float32 multiply-adds on upcast loads, 1 the CPU's bf16 dot
+    products, 2 AMX tiles too), and the shapes the outputs take (sites G, d_model D, vocab V, compute dtype)."""
 
     kernels: dict[int, object]
     layers: Tensor
@@ -223,7 +222,8 @@ def run_layers(fused: Fused, x0: Tensor, lanes: int, mask: Tensor, cos: Tensor, 
     (B, 1, n, D).
 
     mask (B, 1, 1, pos + 1) over the keys (make_decode_mask); cos, sin (1, h/2) at position pos; ek_unit and ev
-    (G, B, 1, D) every engram site's rms_unit(key) and value (fused.site: which layer injects which)."""
+    (G, B, 1, D), contiguous (engram()'s), every engram site's rms_unit(key) and value (fused.site: which layer
+    injects which)."""
     B, _, D = x0.shape
     x = x0[:, :, None, :].expand(B, 1, lanes, D).contiguous()  # (B, 1, n, D)
     y = torch.empty_like(x)
