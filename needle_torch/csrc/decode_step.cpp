@@ -1,6 +1,7 @@
-// A Needle 2 cached-decoding step on CPU (NEEDLE_V2.md §3, §6), one new token per row, as three kernels, each one
-// OpenMP parallel region: ENTRY 1 one lane layer (lane routing and Sinkhorn, the block's engram injection, gated
-// q/k-normed attention over the K/V cache, the Hadamard MLP as a fast Walsh-Hadamard transform, the lane mix);
+// A Needle 2 cached-decoding step on CPU (NEEDLE_V2.md §3, §6), one new token per row, as three kernels, one OpenMP
+// parallel region for each layer or kernel: ENTRY 1 the lane layers, one after another (each: lane routing and
+// Sinkhorn, the block's engram injection, gated q/k-normed attention over the K/V cache, the Hadamard MLP as a fast
+// Walsh-Hadamard transform, the lane mix);
 // ENTRY 2 every engram site's key and value for the newest token; ENTRY 3 the step's end (lane mean, final_norm,
 // tied logits). The products split their blocks of weight rows evenly across the threads and stream each row once
 // for all rows of the batch (bf16 inputs of 4 rows or more on AMX tiles where the CPU has them); the work between
@@ -493,11 +494,11 @@ static void sinkhorn_rows(const float* logits, int64_t rstride, int64_t rows, fl
 // ---------------------------------------------------------------------------------------------- one lane layer
 // lanes (B, N, D) SCALAR -> out (B, N, D); table: the layer's parameter pointers (Slot order); mask (B, S) over the
 // keys 0..S-1 (S = pos + 1); cos, sin (HD/2) float32 at pos; ek (B, D) float32 rms_unit(engram key) and ev (B, D)
-// SCALAR or null (no engram site); the cache buffers (B, K, M, HD) in the table; walsh_entry = cast(1/sqrt(P));
-// dp: use the CPU's bf16 dot products (bf16 only; the caller checks the CPU has them).
+// SCALAR, both null where the layer has no engram site; the cache buffers (B, K, M, HD) in the table; walsh_entry =
+// cast(1/sqrt(P)); dp: use the CPU's bf16 dot products (bf16 only; the caller checks the CPU has them).
 static void one_layer(const int64_t* table, const T* lanes, T* out, const bool* mask, const float* cos,
                       const float* sin, const float* ek, const T* ev, int64_t B, int64_t pos, int64_t M,
-                      float walsh_entry, float masked, int64_t engram, int64_t dp) {
+                      float walsh_entry, float masked, int64_t dp) {
     auto ptr = [&](Slot s) { return reinterpret_cast<const T*>(table[s]); };
     const int64_t S = pos + 1, R = 2 * N + N * N, QKVG = 2 * A + 2 * KV;
     const float scale = 1.0f / std::sqrt(float(HD));
@@ -570,7 +571,7 @@ static void one_layer(const int64_t* table, const T* lanes, T* out, const bool* 
                 for (int64_t i = 0; i < N; ++i) t = t + Vec(hpre[b * N + i]) * load(l + i * D + d);
                 rv(t).store(ub + d), rv(t).store(xb + d);
             }
-            if (engram) {  // x = u + r(α · f32(ev)), α = σ(⟨rms_unit(u), rms_unit(ek)⟩ / √D)
+            if (ek != nullptr) {  // x = u + r(α · f32(ev)), α = σ(⟨rms_unit(u), rms_unit(ek)⟩ / √D)
                 float inv = 1.0f / std::sqrt(sum_squares(ub, D) / D + EPS);
                 Vec dot(0);
                 for (int64_t d = 0; d < D; d += W) dot = at::vec::fmadd(Vec::loadu(ub + d) * Vec(inv), Vec::loadu(ek + b * D + d), dot);
@@ -737,7 +738,7 @@ extern "C" void kernel(const int64_t* tables, int64_t layers, T* x, T* y, const 
     for (int64_t i = 0; i < layers; ++i) {
         const int64_t g = site[i];
         one_layer(tables + i * SLOTS, x, y, mask, cos, sin, g < 0 ? nullptr : ek + g * B * D,
-                  g < 0 ? nullptr : ev + g * B * D, B, pos, M, walsh_entry, masked, g >= 0, dp);
+                  g < 0 ? nullptr : ev + g * B * D, B, pos, M, walsh_entry, masked, dp);
         std::swap(x, y);
     }
 }
