@@ -1,9 +1,10 @@
 // The Hadamard MLP of Needle 2 (NEEDLE_V2.md §3.5) over rows of float32 or bf16, for compiled CPU graphs: per row,
 // z = (d1 ⊙ pad_P(x))·H_P, z = silu(d2 ⊙ z)·H_P, out = (d3 ⊙ z)[:D]. H_P's product is the unnormalised butterflies in
-// float32 times H_P's entry cast(1/√P) (the dense product's terms in another order); everything else is the eager
+// float32 times H_P's entry cast(1/√P) (walsh.h, decode_step.cpp's: the dense product's terms in another order,
+// the same bits as the decoding step's MLP); everything else is the eager
 // twin's arithmetic: in float32 its float32 ops, in bf16 every op's float32 value rounded to bf16 where eager's bf16
 // tensors round (the products with d1, d2, d3, each Walsh product once, the sigmoid's exp, sum and quotient, the
-// silu's product: r() below, the identity in float32), as decode_step.cpp's MLP. Built by needle_torch/cpu_hadamard.py
+// silu's product: rv() below, the identity in float32), as decode_step.cpp's MLP. Built by needle_torch/cpu_hadamard.py
 // through inductor's C++ toolchain, with SCALAR (float or c10::BFloat16), DMODEL (D) and HADA (P, a power of two >= D)
 // defined in front; both multiples of the vector width.
 //
@@ -14,52 +15,19 @@ using T = SCALAR;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t D = DMODEL, P = HADA, W = Vec::size();
 static_assert(D % W == 0 && P % W == 0, "widths must be multiples of the vector width");
-constexpr int64_t BLOCK = P / W < 8 ? P / W : 8;  // P / W is a power of two, so BLOCK divides it
 
 #include "bf16_lanes.h"
 // round every lane to SCALAR (round_bf16); the identity in float32
-static inline Vec r(Vec v) {
+static inline Vec rv(Vec v) {
     if constexpr (std::is_same_v<T, float>) return v;
     else return round_bf16(v);
 }
 static inline void store(float* p, Vec v) { v.store(p); }
 static inline void store(c10::BFloat16* p, Vec v) { store_bf16(p, v); }  // v's lanes already hold bf16 values
 
-// H_W's rows (entries ±1) for the butterflies within one vector of W lanes (Sylvester order: H_2m = [[H, H], [H, -H]])
-struct WithinVector {
-    Vec rows[W];
-    WithinVector() {
-        for (int64_t j = 0; j < W; ++j) {
-            alignas(64) float row[W];
-            for (int64_t k = 0; k < W; ++k) row[k] = __builtin_popcountll(j & k) % 2 ? -1.0f : 1.0f;
-            rows[j] = Vec::loadu(row);
-        }
-    }
-};
-
-// z = z · H_P (H_P = H_(P/W) ⊗ H_W): the butterflies of pairs less than W apart as one product of each vector with H_W
-// (W multiply-adds of ±1 terms), then the butterflies across vectors (pairs W, 2W, ..., P/2 apart), then times
-// H_P's entry; all in float32, rounded once to SCALAR
-static void walsh(float* z, float entry, const WithinVector& hw) {
-    for (int64_t i = 0; i < P; i += BLOCK * W) {  // BLOCK vectors at a time: independent chains of multiply-adds
-        Vec acc[BLOCK];
-        for (int64_t b = 0; b < BLOCK; ++b) acc[b] = Vec(0);
-        for (int64_t j = 0; j < W; ++j)
-            for (int64_t b = 0; b < BLOCK; ++b) acc[b] = at::vec::fmadd(Vec(z[i + b * W + j]), hw.rows[j], acc[b]);
-        for (int64_t b = 0; b < BLOCK; ++b) acc[b].store(z + i + b * W);
-    }
-    for (int64_t len = W; len < P; len <<= 1)
-        for (int64_t i = 0; i < P; i += len << 1)
-            for (int64_t j = i; j < i + len; j += W) {
-                Vec a = Vec::loadu(z + j), b = Vec::loadu(z + j + len);
-                (a + b).store(z + j), (a - b).store(z + j + len);
-            }
-    Vec e(entry);
-    for (int64_t i = 0; i < P; i += W) r(Vec::loadu(z + i) * e).store(z + i);
-}
+#include "walsh.h"
 
 extern "C" void kernel(const T* x, const T* d1, const T* d2, const T* d3, T* out, int64_t rows, float entry) {
-    static const WithinVector hw;
     const Vec one(1.0f);
     #pragma omp parallel
     {
@@ -67,14 +35,14 @@ extern "C" void kernel(const T* x, const T* d1, const T* d2, const T* d3, T* out
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows; ++i) {
             const T* xr = x + i * D;
-            for (int64_t j = 0; j < P; j += W) (j < D ? r(load(d1 + j) * load(xr + j)) : Vec(0)).store(z + j);
-            walsh(z, entry, hw);
+            for (int64_t j = 0; j < P; j += W) (j < D ? rv(load(d1 + j) * load(xr + j)) : Vec(0)).store(z + j);
+            walsh(z, entry);
             for (int64_t j = 0; j < P; j += W) {  // silu(v) = v · σ(v), σ(v) = 1 / (1 + exp(-v))
-                Vec v = r(load(d2 + j) * Vec::loadu(z + j));
-                r(v * r(one / r(one + r(v.neg().exp())))).store(z + j);
+                Vec v = rv(load(d2 + j) * Vec::loadu(z + j));
+                rv(v * rv(one / rv(one + rv(v.neg().exp())))).store(z + j);
             }
-            walsh(z, entry, hw);
-            for (int64_t d = 0; d < D; d += W) store(out + i * D + d, r(load(d3 + d) * Vec::loadu(z + d)));
+            walsh(z, entry);
+            for (int64_t d = 0; d < D; d += W) store(out + i * D + d, rv(load(d3 + d) * Vec::loadu(z + d)));
         }
     }
 }

@@ -115,6 +115,7 @@ def test_a_kernel_that_does_not_build_warns_once_and_keeps_the_torch_form(monkey
 @pytest.mark.parametrize("header, sources", [
     ("bf16_dots.h", ("lane_route.cpp", "decode_step.cpp")),
     ("bf16_lanes.h", ("decode_step.cpp", "decode_attention.cpp", "hadamard_mlp.cpp", "prefill_attention.cpp")),
+    ("walsh.h", ("decode_step.cpp", "hadamard_mlp.cpp")),
 ])
 def test_the_kernels_sources_inline_their_shared_headers(header, sources):
     """The build compiles a string: kernels.cpp_source puts each shared header's text where a kernel's source includes
