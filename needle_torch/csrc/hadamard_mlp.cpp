@@ -1,12 +1,11 @@
 // The Hadamard MLP of Needle 2 (NEEDLE_V2.md §3.5) over rows of float32 or bf16, for compiled CPU graphs: per row,
-// z = (d1 ⊙ pad_P(x))·H_P, z = silu(d2 ⊙ z)·H_P, out = (d3 ⊙ z)[:D]. H_P's product is the unnormalised butterflies in
-// float32 times H_P's entry cast(1/√P) (walsh.h, decode_step.cpp's: the dense product's terms in another order,
-// the same bits as the decoding step's MLP); everything else is the eager
-// twin's arithmetic: in float32 its float32 ops, in bf16 every op's float32 value rounded to bf16 where eager's bf16
-// tensors round (the products with d1, d2, d3, each Walsh product once, the sigmoid's exp, sum and quotient, the
-// silu's product: rv() below, the identity in float32), as decode_step.cpp's MLP. Built by needle_torch/cpu_hadamard.py
-// through inductor's C++ toolchain, with SCALAR (float or c10::BFloat16), DMODEL (D) and HADA (P, a power of two >= D)
-// defined in front; both multiples of the vector width.
+// z = (d1 ⊙ pad_P(x))·H_P, z = silu(d2 ⊙ z)·H_P, out = (d3 ⊙ z)[:D]. H_P's product is walsh.h's, the decoding step's
+// too: the unnormalised butterflies in float32 times H_P's entry cast(1/√P) (the dense product's terms in another
+// order); everything else is the eager twin's arithmetic: in float32 its float32 ops, in bf16 every op's float32
+// value rounded to bf16 where eager's bf16 tensors round (the products with d1, d2, d3, each Walsh product once, the
+// sigmoid's exp, sum and quotient, the silu's product: rv() below, the identity in float32), as decode_step.cpp's
+// MLP. Built by needle_torch/cpu_hadamard.py through inductor's C++ toolchain, with SCALAR (float or c10::BFloat16),
+// DMODEL (D) and HADA (P, a power of two >= D) defined in front; both multiples of the vector width.
 //
 // x, out (rows, D) SCALAR; d1, d2, d3 (P,) SCALAR.
 #include <torch/csrc/inductor/cpp_prefix.h>
