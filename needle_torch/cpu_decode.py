@@ -223,12 +223,10 @@ def run_layers(fused: Fused, x0: Tensor, lanes: int, mask: Tensor, cos: Tensor, 
 
     mask (B, 1, 1, pos + 1) over the keys (make_decode_mask); cos, sin (1, h/2) at position pos; ek_unit and ev
     (G, B, 1, D), contiguous (engram()'s), every engram site's rms_unit(key) and value (fused.site: which layer
-    injects which)."""
+    injects which), or None for a model without engram sites."""
     B, _, D = x0.shape
     x = x0[:, :, None, :].expand(B, 1, lanes, D).contiguous()  # (B, 1, n, D)
     y = torch.empty_like(x)
-    if ek_unit is None:  # no engram sites: every layer's site is -1, so the kernel reads neither
-        ek_unit, ev = x.new_empty(0, dtype=torch.float32), x.new_empty(0)
     _call(fused, fused.layers, fused.site, x, y, mask.reshape(B, -1).contiguous(), cos, sin, pos, ek_unit, ev)
     return x if len(fused.layers) % 2 == 0 else y
 
@@ -238,16 +236,17 @@ def layer(fused: Fused, i: int, lanes: Tensor, out: Tensor, mask: Tensor, cos: T
     """Lane layer i of a decoding step alone: lanes (B, 1, n, D) -> out (the same shape, written), K and V into the
     cache at pos. mask (B, pos + 1) bool over the keys; cos, sin (1, h/2) at pos; engram: this layer's site's
     (rms_unit(key), value), each (B, 1, D), or None."""
-    if engram is None:
-        site, ek, ev = torch.tensor([-1]), lanes.new_empty(0, dtype=torch.float32), lanes.new_empty(0)
-    else:
-        site, ek, ev = torch.tensor([0]), engram[0].contiguous(), engram[1].contiguous()
-    _call(fused, fused.layers[i:i + 1], site, lanes, out, mask, cos, sin, pos, ek, ev)
+    ek, ev = (None, None) if engram is None else (engram[0].contiguous(), engram[1].contiguous())
+    _call(fused, fused.layers[i:i + 1], torch.tensor([-1 if engram is None else 0]), lanes, out, mask, cos, sin, pos,
+          ek, ev)
 
 
 def _call(fused: Fused, tables: Tensor, site: Tensor, x: Tensor, y: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
-          pos: int, ek: Tensor, ev: Tensor) -> None:
-    """The layer kernel over tables' layers, x and y each layer's input and output in turn (decode_step.cpp)."""
+          pos: int, ek: Tensor | None, ev: Tensor | None) -> None:
+    """The layer kernel over tables' layers, x and y each layer's input and output in turn (decode_step.cpp); ek, ev
+    None where no layer has an engram site (every site -1: the kernel reads neither)."""
+    if ek is None:
+        ek, ev = x.new_empty(0, dtype=torch.float32), x.new_empty(0)
     fused.kernels[LAYER](tables, len(tables), x, y, mask, cos, sin, ek, ev, site, x.shape[0], pos, fused.length,
                          fused.walsh_entry, fused.masked, fused.dp)
 

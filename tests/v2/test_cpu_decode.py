@@ -220,6 +220,19 @@ def test_windowed_sinks_and_early_stops_through_the_kernels_are_eagers(fx, count
     assert rel(fused[1], eager[1]) <= F32_PIECE_REL and rel(fused[2], eager[2]) <= F32_PIECE_REL
 
 
+def test_a_model_without_engram_sites_steps_through_the_kernels_as_eager(counted):
+    """No engram sites (run_layers gets no keys or values, and every layer's site is -1): the published widths at two
+    layers, the kernels' steps give eager's tokens and logits within F32_PIECE_REL."""
+    cfg = dataclasses.replace(PUBLISHED_3, num_layers=2, engram_layers=())
+    m = SimpleAttentionNetwork.from_flax(random_flax_params(cfg, seed=4, groups=()), cfg)
+    assert len(m.engrams) == 0 and cpu_decode.applies(m, 2)
+    prompts = prompts_for(cfg, 2, 12, seed=4)
+    eager = generate(m, prompts, G, eos_token_id=None, return_logits=True)
+    fused = generate(m, prompts, G, eos_token_id=None, return_logits=True, compile=True)
+    assert len(counted) == G - 1
+    assert torch.equal(fused[0], eager[0]) and rel(fused[1], eager[1]) <= F32_PIECE_REL
+
+
 def test_the_kernels_take_only_plain_cpu_steps_of_few_rows(monkeypatch):
     """applies(): not past MAX_ROWS rows, not with a hook on any module a step runs (a parity tap records through
     one), not with a projection that is not the twin's Linear (a LoRA wrapper), not with a parameter in another
