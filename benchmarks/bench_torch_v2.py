@@ -96,8 +96,8 @@ AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "TORCHI
 
 # Process-wide settings that move these figures without changing the code: OpenMP's wait policy (measured on a 2-core
 # Xeon, published size, f32 batch-1 compiled step: PASSIVE 25-26 ms, unset 14-16 ms, ACTIVE 13-15 ms, processes
-# alternating), the allocator (README, "Batched prefill runs in row chunks") and the thread count. The header names
-# those in effect, so that a table says what it ran under; children inherit them.
+# alternating), the allocator (docs/PERFORMANCE.md, "Batched prefill runs in row chunks") and the thread count. The
+# header names those in effect, so that a table says what it ran under; children inherit them.
 RUNTIME_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
