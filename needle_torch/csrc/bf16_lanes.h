@@ -5,7 +5,8 @@
 //
 // load(p): W float32 values, or W bf16 values widened to float32 from one plain load (the counted form loadu(p, W)
 // of a Vectorized<BFloat16> (2W lanes) copies through the stack on AVX2: a memcpy, then a wider load that store
-// forwarding cannot serve).
+// forwarding cannot serve). store(p, v), its converse, below round_bf16: to bf16 it expects lanes that already hold
+// bf16 values.
 static inline Vec load(const float* p) { return Vec::loadu(p); }
 static inline Vec load(const c10::BFloat16* p) {
     Vec out;
@@ -36,3 +37,6 @@ static inline void store_bf16(c10::BFloat16* p, Vec v) {
     at::vec::convert_float_bfloat16(v, v).store(p, Vec::size());
 }
 #endif
+
+static inline void store(float* p, Vec v) { v.store(p); }
+static inline void store(c10::BFloat16* p, Vec v) { store_bf16(p, v); }

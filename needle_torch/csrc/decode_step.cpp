@@ -86,8 +86,6 @@ static inline float sigmoid(float x) {
     if constexpr (std::is_same_v<T, float>) return 1.0f / (1.0f + std::exp(-x));
     else return r(1.0f / r(1.0f + r(std::exp(-x))));
 }
-static inline void store(float* p, Vec v) { v.store(p); }
-static inline void store(c10::BFloat16* p, Vec v) { store_bf16(p, v); }  // v's lanes already hold bf16 values
 
 // A call's scratch: `n` elements of U carved from a buffer kept per calling thread (one per TAG) and grown on demand,
 // never zeroed: every element a kernel reads, it has written first. Fresh std::vectors each call cost a batch-32

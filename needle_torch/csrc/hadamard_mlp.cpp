@@ -21,8 +21,6 @@ static inline Vec rv(Vec v) {
     if constexpr (std::is_same_v<T, float>) return v;
     else return round_bf16(v);
 }
-static inline void store(float* p, Vec v) { v.store(p); }
-static inline void store(c10::BFloat16* p, Vec v) { store_bf16(p, v); }  // v's lanes already hold bf16 values
 
 #include "walsh.h"
 
