@@ -28,7 +28,14 @@ from convert import atomic, plan, registry
 from convert.errors import CheckpointError, ConfigError, ConfigMismatchError, NeedleTwinError
 from convert.family import Family
 from convert.fields import FamilyConfig
-from convert.formats import msgpack_format, orbax_format, safetensors_format, torch_format, upstream_pickle
+from convert.formats import (
+    msgpack_format,
+    orbax_format,
+    safetensors_format,
+    torch_format,
+    upstream_pickle,
+    upstream_safetensors,
+)
 from convert.formats.common import (
     FAMILY_KEY,
     FORMAT_VERSION,
@@ -44,7 +51,8 @@ from convert.trees import unflatten_tree
 
 PICKLE, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT = (
     "upstream-pickle", "safetensors", "hf-dir", "flax-msgpack", "orbax", "torch-pt")
-READ_FORMATS = (PICKLE, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT, *registry.FORMATS)
+UPSTREAM_SAFETENSORS = upstream_safetensors.FORMAT
+READ_FORMATS = (PICKLE, UPSTREAM_SAFETENSORS, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT, *registry.FORMATS)
 WRITE_FORMATS = (SAFETENSORS, HF_DIR, PICKLE, MSGPACK, ORBAX, *(n for n, f in registry.FORMATS.items() if f.write))
 TORCH_FORMATS, FLAX_FORMATS = (SAFETENSORS, HF_DIR), (PICKLE, MSGPACK, ORBAX)
 _EXTENSIONS = {".pkl": PICKLE, ".pickle": PICKLE, ".safetensors": SAFETENSORS, ".msgpack": MSGPACK,
@@ -136,13 +144,22 @@ def _family_for(name: str | None, tensors: Mapping[str, Any], where: str) -> Fam
 # format -> reader; the readers import torch, jax or orbax only when they run.
 _READERS = {
     PICKLE: upstream_pickle.read,
-    SAFETENSORS: safetensors_format.read_file,
+    SAFETENSORS: lambda path: _read_safetensors(path),
+    UPSTREAM_SAFETENSORS: upstream_safetensors.read,
     HF_DIR: lambda path: safetensors_format.read_dir(path, _family_for),
     MSGPACK: msgpack_format.read,
     ORBAX: orbax_format.read,
     TORCH_PT: torch_format.read,
     **{f.name: f.read for f in registry.FORMATS.values()},
 }
+
+
+def _read_safetensors(path: Path) -> Source:
+    """Both layouts end in .safetensors: upstream's Flax paths (Needle 3's own checkpoints) or our torch names."""
+    tensors, metadata, _ = safetensors_format.read_header(path)
+    if upstream_safetensors.is_upstream(tensors, metadata):
+        return upstream_safetensors.read(path)
+    return safetensors_format.read_file(path)
 
 
 def open_source(path: str | Path, fmt: str | None = None) -> Source:
@@ -224,7 +241,7 @@ def read_checkpoint(path: str | Path, config: FamilyConfig | Mapping[str, Any] |
 
 
 # Formats whose stored config dict is upstream's own (only the fields that were set, in their order).
-_UPSTREAM_CONFIG_FORMATS = (PICKLE, MSGPACK, ORBAX)
+_UPSTREAM_CONFIG_FORMATS = (PICKLE, UPSTREAM_SAFETENSORS, MSGPACK, ORBAX)
 
 
 def _upstream_config(source: Source) -> str | None:

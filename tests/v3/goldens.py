@@ -1,0 +1,68 @@
+"""Upstream's Needle 3 goldens in tests/data/v3: the shared fixture `needle-v3-tiny` and the configs
+tools/upstream_goldens.sh makes (each `NAME.npz` beside its checkpoint `NAME.safetensors` and the `NAME.command`
+that made both). Arrays are under `f32/` (float32 config and params) and `bf16/` (bfloat16 config, params cast
+to bfloat16 first), stored as float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import cache
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from convert.io import read_checkpoint
+from convert.v3 import TransformerConfig
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "v3"
+F32_REL = 1e-5  # the project's float32 budget (max|a - b| / max|ref|); upstream vs an f64 reference: 2.3e-6 abs
+NAMES = tuple(sorted(p.name.removesuffix(".npz") for p in DATA.glob("*.npz") if not p.name.endswith(".cact.npz")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Golden:
+    name: str
+    config: TransformerConfig  # as stored (dtype as upstream saved it)
+    params: dict  # upstream's float32 tree
+    arrays: dict[str, np.ndarray]
+
+    def config_for(self, dtype: str) -> TransformerConfig:
+        return dataclasses.replace(self.config, dtype=dtype)
+
+    def params_for(self, dtype: str) -> dict:
+        """The params as upstream's goldens used them: float32, or every leaf cast to bfloat16 first."""
+        if dtype == "float32":
+            return self.params
+        return _map(lambda a: np.asarray(a).astype(ml_dtypes.bfloat16), self.params)
+
+    def has(self, key: str) -> bool:
+        return key in self.arrays
+
+    @property
+    def meta(self) -> dict:
+        return json.loads(str(self.arrays["meta_json"])) if "meta_json" in self.arrays else {}
+
+
+@cache
+def load(name: str) -> Golden:
+    ck = read_checkpoint(DATA / f"{name}.safetensors")
+    with np.load(DATA / f"{name}.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    return Golden(name, ck.config, ck.params, arrays)
+
+
+def rel(a, ref) -> float:
+    """max|a - ref| / max|ref| in float64 (NaN-free inputs assumed)."""
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(a - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def top1_agreement(logits, ref) -> float:
+    return float((np.asarray(logits).argmax(-1) == np.asarray(ref).argmax(-1)).mean())
+
+
+def _map(fn, tree):
+    return {k: _map(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
