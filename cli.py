@@ -118,6 +118,11 @@ def convert_command(
         "--merge", help="With an adapter: write the base with the adapter merged (upstream's rule) instead.")] = False,
     allow_untrained: Annotated[bool, typer.Option(
         "--allow-untrained", help="Accept an adapter whose B matrices are all zero (untrained).")] = False,
+    layers: Annotated[Optional[int], typer.Option(
+        "--layers", help="Write this depth rung of a laddered model (Needle 3: 2..L), as `needle build --layers`.")
+    ] = None,
+    width: Annotated[Optional[int], typer.Option(
+        "--width", help="Write the width half of a laddered model (Needle 3: d_model / 2).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary line.")] = False,
 ) -> None:
     """Convert a checkpoint between Flax, PyTorch and .cact formats, bit-exact unless --dtype casts (a .cact is
@@ -125,7 +130,7 @@ def convert_command(
     r = commands.convert(Path(src), Path(dst), to=to, dtype=dtype, force=force, max_shard_size=max_shard_size,
                          config_path=Path(config) if config else None, progress=not quiet, bits=bits,
                          tokenizer=Path(tokenizer) if tokenizer else None, base=Path(base) if base else None,
-                         merge=merge, allow_untrained=allow_untrained)
+                         merge=merge, allow_untrained=allow_untrained, layers=layers, width=width)
     if not quiet:
         typer.echo(f"wrote {r.dst} ({r.dst_format}) from {r.src_format}: {r.num_parameters:,} parameters, "
                    f"{r.dtype}, {r.num_bytes / 2**20:,.1f} MiB in {r.seconds:.2f}s")

@@ -52,7 +52,7 @@ class ConvertResult:
 def convert(src: Path, dst: Path, *, to: str | None = None, dtype: str | None = None, force: bool = False,
             max_shard_size: str | None = None, config_path: Path | None = None, progress: bool = False,
             bits: str | None = None, tokenizer: Path | None = None, base: Path | None = None, merge: bool = False,
-            allow_untrained: bool = False) -> ConvertResult:
+            allow_untrained: bool = False, layers: int | None = None, width: int | None = None) -> ConvertResult:
     """Convert SRC to DST (format from DST's form and --to); strict, atomic, interruptible without leftovers.
 
     bits, tokenizer: a .cact output's quantisation (2, 3, 4, 1.58 or a bits map; None: the config's weight_bits,
@@ -67,9 +67,13 @@ def convert(src: Path, dst: Path, *, to: str | None = None, dtype: str | None = 
     if base is not None or merge or allow_untrained:
         raise NeedleTwinError(f"{src} is a checkpoint, not an adapter: --base, --merge and --allow-untrained are for "
                               "converting a LoRA adapter; drop them")
-    fmt = io.infer_write_format(dst, to)
     source = io.open_source(src)
     config = io.resolve_config(source, _config_arg(config_path))
+    family = registry.family_of(config)
+    fmt = io.infer_write_format(dst, to, family)
+    if layers is not None or width is not None:
+        return _convert_submodel(src, dst, fmt, source, config, family, layers, width, start, force=force,
+                                 dtype=dtype, max_shard_size=max_shard_size, bits=bits, tokenizer=tokenizer)
     total = source.nbytes if dtype is None else sum(math.prod(t.shape) for t in source.tensors.values()) * \
         io.weight_dtype(dtype).itemsize
     with _terminate_as_interrupt(), _progress_bar(total, f"{source.format} → {fmt}", progress) as on_bytes:
@@ -81,6 +85,29 @@ def convert(src: Path, dst: Path, *, to: str | None = None, dtype: str | None = 
     return ConvertResult(Path(src), Path(dst), source.format, fmt, len(source.tensors),
                          sum(t.size for t in source.tensors.values()), total, ",".join(dtypes),
                          time.perf_counter() - start, notes)
+
+
+def _convert_submodel(src: Path, dst: Path, fmt: str, source: Source, config: FamilyConfig, family, layers: int | None,
+                      width: int | None, start: float, **options: Any) -> ConvertResult:
+    """--layers / --width: a depth rung or width half of a laddered model, written as a checkpoint of its own."""
+    if (layers is not None and family.rung is None) or (width is not None and family.halve is None):
+        raise NeedleTwinError(f"--layers and --width apply to laddered models (Needle 3); {src} is {family.title}")
+    ckpt = io.read_checkpoint(src, config)
+    params, sub = ckpt.params, ckpt.config
+    if width is not None:
+        params, sub = family.halve(params, sub, width)
+    if layers is not None:
+        params, sub = family.rung(params, sub, layers)
+    with _terminate_as_interrupt():
+        io.write_checkpoint(params, sub, dst, format=fmt, extra=ckpt.extra, **options)
+    arrays = [np.asarray(a) for a in flatten_tree(params).values()]
+    cast = options["dtype"]
+    nbytes = sum(a.size * (io.weight_dtype(cast).itemsize if cast else a.dtype.itemsize) for a in arrays)
+    what = " ".join(filter(None, [f"rung {layers}" if layers is not None else "",
+                                  f"width {width}" if width is not None else ""]))
+    return ConvertResult(Path(src), Path(dst), source.format, f"{fmt} ({what})", len(arrays),
+                         sum(a.size for a in arrays), nbytes,
+                         cast or ",".join(sorted({dtype_name(a.dtype) for a in arrays})), time.perf_counter() - start)
 
 
 def _convert_adapter(kind, src: Path, dst: Path, base: Path | None, merge: bool, allow_untrained: bool, force: bool,

@@ -33,6 +33,10 @@ class Family:
     default_groups: tuple[str, ...] = ()  # the groups upstream's plain `init` creates
     pickle_version: int | None = None  # upstream pickle's `format_version` (None: the file has none)
     pickle_keys: tuple[str, ...] = ("params", "config")  # top-level keys upstream's pickle may hold
+    safetensors_version: str | None = None  # upstream's own safetensors checkpoint's `format_version` (Needle 3)
+    # Sub-models as files (Needle 3's ladder): (params, config, n) -> (params, config) of depth rung n / width n.
+    rung: Callable[[Any, Any, int], tuple[Any, Any]] | None = None
+    halve: Callable[[Any, Any, int], tuple[Any, Any]] | None = None
     # Extra words for a config mismatch: (tensor names, config) -> a hint naming the field, or None.
     hint: Callable[[set[str], Any], str | None] | None = None
     _patterns: dict = field(default_factory=dict, compare=False, repr=False)

@@ -53,15 +53,16 @@ PICKLE, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT = (
     "upstream-pickle", "safetensors", "hf-dir", "flax-msgpack", "orbax", "torch-pt")
 UPSTREAM_SAFETENSORS = upstream_safetensors.FORMAT
 READ_FORMATS = (PICKLE, UPSTREAM_SAFETENSORS, SAFETENSORS, HF_DIR, MSGPACK, ORBAX, TORCH_PT, *registry.FORMATS)
-WRITE_FORMATS = (SAFETENSORS, HF_DIR, PICKLE, MSGPACK, ORBAX, *(n for n, f in registry.FORMATS.items() if f.write))
-TORCH_FORMATS, FLAX_FORMATS = (SAFETENSORS, HF_DIR), (PICKLE, MSGPACK, ORBAX)
+WRITE_FORMATS = (SAFETENSORS, HF_DIR, PICKLE, UPSTREAM_SAFETENSORS, MSGPACK, ORBAX,
+                 *(n for n, f in registry.FORMATS.items() if f.write))
+TORCH_FORMATS, FLAX_FORMATS = (SAFETENSORS, HF_DIR), (PICKLE, UPSTREAM_SAFETENSORS, MSGPACK, ORBAX)
 _EXTENSIONS = {".pkl": PICKLE, ".pickle": PICKLE, ".safetensors": SAFETENSORS, ".msgpack": MSGPACK,
                ".pt": TORCH_PT, ".pth": TORCH_PT, ".bin": TORCH_PT,
                **{ext: f.name for f in registry.FORMATS.values() for ext in f.extensions}}
 _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding")
 # Metadata keys the writer owns; caller-supplied values for them are ignored (always recomputed).
 _RESERVED_METADATA = ("format", "format_version", "tool_version", "config", "source_format", "source_sha256",
-                      "dtype_cast", FAMILY_KEY)
+                      "dtype_cast", FAMILY_KEY, "upstream_metadata")
 
 
 @dataclass
@@ -269,6 +270,21 @@ def upstream_extra(source: Source) -> dict[str, Any]:
     return value
 
 
+def upstream_metadata(source: Source) -> dict[str, str] | None:
+    """Upstream's own safetensors metadata strings, verbatim: the source's, or as our metadata recorded them."""
+    if source.format == UPSTREAM_SAFETENSORS:
+        return dict(source.metadata)
+    raw = source.metadata.get("upstream_metadata")
+    try:
+        value = json.loads(raw) if raw is not None else None
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{source.path}: the 'upstream_metadata' metadata is not JSON; the file is damaged") \
+            from None
+    if value is not None and not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+        raise CheckpointError(f"{source.path}: the 'upstream_metadata' metadata is not an object of strings")
+    return value
+
+
 def _checkpoint_metadata(source: Source) -> dict[str, str]:
     upstream = _upstream_config(source)
     return {**source.metadata, **({"upstream_config": upstream} if upstream is not None else {})}
@@ -277,20 +293,25 @@ def _checkpoint_metadata(source: Source) -> dict[str, str]:
 # ----------------------------------------------------------------------------- writing
 
 
-def infer_write_format(dst: str | Path, to: str | None = None) -> str:
-    """Output format from DST's form: .safetensors / a directory -> torch; .pkl / .msgpack -> Flax."""
+def infer_write_format(dst: str | Path, to: str | None = None, family: Family | None = None) -> str:
+    """Output format from DST's form: .safetensors / a directory -> torch; .pkl / .msgpack -> Flax.
+
+    family: the checkpoint's. A family whose upstream writes safetensors itself (Needle 3) has both layouts in
+    .safetensors, so there --to must say which."""
     dst = Path(dst)
     if to not in (None, "torch", "flax"):
         raise NeedleTwinError(f"--to {to!r} is unknown; use torch or flax")
     suffix = dst.suffix.lower()
-    by_suffix = {".safetensors": SAFETENSORS, ".pkl": PICKLE, ".pickle": PICKLE, ".msgpack": MSGPACK,
+    if suffix == ".safetensors":
+        return _safetensors_layout(dst, to, family)
+    by_suffix = {".pkl": PICKLE, ".pickle": PICKLE, ".msgpack": MSGPACK,
                  **{ext: f.name for f in registry.FORMATS.values() if f.write for ext in f.extensions}}.get(suffix)
     if by_suffix is None and (dst.is_dir() or not suffix):
         return ORBAX if to == "flax" else HF_DIR
     if by_suffix is None:
         raise NeedleTwinError(f"cannot tell the output format from {dst.name!r}; use .safetensors or a directory "
                               "(torch), .pkl or .msgpack (Flax), a directory with --to flax (Orbax), or .cact "
-                              "(a quantised Needle 2 build)")
+                              "(a quantised deployment build)")
     if by_suffix in registry.FORMATS:
         if to is not None:
             raise NeedleTwinError(f"--to does not apply to {dst.name!r}, a {by_suffix} file; drop --to")
@@ -300,6 +321,19 @@ def infer_write_format(dst: str | Path, to: str | None = None) -> str:
         raise NeedleTwinError(f"--to {to} contradicts the output name {dst.name!r}, which is a {side} format; "
                               f"drop --to or rename the output")
     return by_suffix
+
+
+def _safetensors_layout(dst: Path, to: str | None, family: Family | None) -> str:
+    upstream_has_one = family is not None and family.safetensors_version is not None
+    if to == "flax":
+        if family is not None and not upstream_has_one:
+            raise NeedleTwinError(f"--to flax with {dst.name!r}: upstream's {family.title} checkpoints are pickles, "
+                                  "not safetensors; write a .pkl, or drop --to flax for a torch .safetensors")
+        return UPSTREAM_SAFETENSORS
+    if to is None and upstream_has_one:
+        raise NeedleTwinError(f"{dst.name!r} could hold either layout of a {family.title} checkpoint; add --to torch "
+                              "(our torch state_dict) or --to flax (upstream's own checkpoint file)")
+    return SAFETENSORS
 
 
 def write_checkpoint(params: Mapping[str, Any], config: FamilyConfig, dst: str | Path, *,
@@ -374,6 +408,9 @@ def _output_metadata(source: Source, config: FamilyConfig, dtype: str | None,
     upstream = _upstream_config(source)
     if upstream is not None:
         meta["upstream_config"] = upstream
+    verbatim = upstream_metadata(source)
+    if verbatim is not None:
+        meta["upstream_metadata"] = json.dumps(verbatim)
     others = upstream_extra(source)  # the source's own; else the caller's metadata may carry them (below)
     if others:
         meta["upstream_extra"] = json.dumps(others)
@@ -450,7 +487,10 @@ def _write(fmt: str, source: Source, table: ParamTable, config: FamilyConfig, ca
     view = plan.flax_view(source, table, cast)
     family, config_dict = registry.family_of(config), upstream_config_dict(config, meta)
     others = json.loads(meta["upstream_extra"]) if "upstream_extra" in meta else {}
-    if fmt == PICKLE:
+    if fmt == UPSTREAM_SAFETENSORS:
+        upstream_safetensors.write(tmp, view, _upstream_file_metadata(meta, config, config_dict, others), on_bytes,
+                                   check)
+    elif fmt == PICKLE:
         upstream_pickle.write(tmp, {p.name: p for p in view}, pickle_layout(family, config_dict, others), on_bytes,
                               check)
     elif fmt == MSGPACK:
@@ -459,6 +499,21 @@ def _write(fmt: str, source: Source, table: ParamTable, config: FamilyConfig, ca
     elif fmt == ORBAX:
         orbax_format.write(tmp, view, config_dict, family.name, others, on_bytes, check)
     return bad
+
+
+def _upstream_file_metadata(meta: Mapping[str, str], config: FamilyConfig, config_dict: Mapping[str, Any],
+                            others: Mapping[str, Any]) -> dict[str, str]:
+    """Upstream's four metadata strings: the source's verbatim while its config still describes this model, else
+    made as upstream's writer makes them."""
+    recorded = json.loads(meta.get("upstream_metadata", "null"))
+    if recorded is not None and set(upstream_safetensors.KEYS) <= set(recorded):
+        try:
+            same = registry.family_of(config).config_from_dict(json.loads(recorded["config"])) == config
+        except (json.JSONDecodeError, NeedleTwinError, TypeError):
+            same = False
+        if same:
+            return {k: recorded[k] for k in upstream_safetensors.KEYS}
+    return upstream_safetensors.metadata_for(config_dict, others)
 
 
 def pickle_layout(family: Family, config_dict: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,18 +10,21 @@ told apart.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from convert.errors import CheckpointError
-from convert.formats.safetensors_format import read_header
+from convert.formats.safetensors_format import read_header, write_file
 from convert.rules import FLAX
 from convert.source import Source, file_sha256
 from convert.tensors import TensorRef
 
 FORMAT = "upstream-safetensors"
 VERSION = "2"  # upstream's format_version, the same number as Needle 2's pickles
+KEYS = ("format_version", "config", "step", "run")  # upstream's metadata, every one always written
 
 
 def is_upstream(tensors: Mapping[str, TensorRef], metadata: Mapping[str, str]) -> bool:
@@ -67,3 +70,16 @@ def _extra(path: Path, metadata: Mapping[str, str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             raise CheckpointError(f"{path}: the 'run' metadata is not JSON; the file is damaged") from None
     return out
+
+
+def metadata_for(config_dict: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, str]:
+    """The metadata upstream's `write_checkpoint` writes for this config dict, step and run."""
+    step = extra.get("step")
+    return {"format_version": VERSION, "config": json.dumps(dict(config_dict), default=str),
+            "step": "" if step is None else str(step), "run": json.dumps(extra.get("run") or {}, default=str)}
+
+
+def write(path: Path, view: Iterable, metadata: Mapping[str, str], on_bytes: Callable[[int], None] | None = None,
+          check: Callable[[str, np.ndarray], None] | None = None) -> None:
+    """The tensors in upstream's file order (safetensors' own: wider dtypes first, then by name) and its metadata."""
+    write_file(path, sorted(view, key=lambda p: p.name), metadata, on_bytes, None, check)

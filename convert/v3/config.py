@@ -174,15 +174,9 @@ class TransformerConfig(FamilyConfig):
                               "bisection order")
 
     def upstream_dict(self) -> dict[str, Any]:
-        """As upstream writes `config.__dict__`: the fields that differ from the defaults plus the five tuple fields
-        its constructor always sets, then any kept unknown keys."""
-        out = self.to_dict(only_non_default=True)
-        for key in (*self.extra_keys(), "engram_layers", "global_layers", "ladder_depths", "ladder_widths",
-                    "ladder_order"):
-            out.pop(key, None)
-        always = {k: getattr(self, k) for k in ("engram_layers", "global_layers", "ladder_depths", "ladder_widths",
-                                                "ladder_order")}
-        return {**out, **always, **self.extra_keys()}
+        """The config dict we write into an upstream file: every field, so upstream's `from_saved` (which turns a
+        missing feature key off) rebuilds exactly this config; then any kept unknown keys."""
+        return self.to_dict()
 
     # ------------------------------------------------------------------ derived sizes (notation of NEEDLE_V3.md)
 

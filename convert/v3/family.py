@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from convert.family import Family
-from convert.v3 import mapping
+from convert.v3 import ladder, mapping
 from convert.v3.config import NEEDLE_V3_DEFAULT, TransformerConfig
 
 FAMILY = Family(
@@ -20,4 +20,7 @@ FAMILY = Family(
                                   sliding_window=8, engram_slots=64),
     groups=mapping.GROUPS,
     default_groups=mapping.DEFAULT_GROUPS,
+    safetensors_version="2",
+    rung=ladder.rung,
+    halve=ladder.halve,
 )

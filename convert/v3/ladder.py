@@ -102,6 +102,26 @@ def ladder_slice(params: Mapping[str, Any], config: TransformerConfig, depth: in
     return out
 
 
+def rung(params: Mapping[str, Any], config: TransformerConfig, layers: int
+         ) -> tuple[dict[str, Any], TransformerConfig]:
+    """What `needle build --layers` deploys (upstream's `finetune.rung`): the training-only ladder fields reset,
+    then depth rung `layers` cut out (the full depth, or 0, keeps every layer)."""
+    config = dataclasses.replace(config, ladder_depths=(), ladder_sample=False, ladder_widths=())
+    if not layers or layers == config.num_layers:
+        return dict(params), config
+    if not 2 <= layers < config.num_layers:
+        raise ConfigError(f"--layers must be in [2, {config.num_layers}] for this {config.num_layers}-layer model, "
+                          f"got {layers}")
+    return ladder_slice(params, config, layers), ladder_config(config, layers)
+
+
+def halve(params: Mapping[str, Any], config: TransformerConfig, width: int
+          ) -> tuple[dict[str, Any], TransformerConfig]:
+    """The width half as a model of its own: `width_slice` and `width_config`."""
+    child = width_config(config, width)  # first: it refuses what upstream asserts
+    return width_slice(params, config, width), child
+
+
 def width_config(config: TransformerConfig, w: int) -> TransformerConfig:
     """The config of the width half w = D/2: half the query heads, engram seeds kept by σ."""
     D = config.d_model
