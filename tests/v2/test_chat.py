@@ -1,9 +1,10 @@
 """Needle 2's text side (convert/v2/chat.py) against upstream's rendering rule and the fixture tokenizer.
 
 Goldens (tests/data/README-cact.md "Tokenizer"): `needle-v2-tiny.spm.model` and `quant.npz`'s `tok/texts_json`
-(6 strings; [0] is upstream `render_example` prompt+target) with `tok/sp_ids_json` (upstream's `sp.Encode` of
-each). Expected prompts are written out in this file from NEEDLE_V2.md §8 and encoded with sentencepiece
-directly, never by the renderer under test.
+(6 strings; [0] is upstream 2.0.8's `render_example` prompt+target) with `tok/sp_ids_json` (upstream's `sp.Encode`
+of each). Expected prompts and targets are written out in this file from the 2.0.15 rule (NEEDLE_V3.md §13.1:
+`<think>\n{reasoning}\n</think>\n` only with reasoning, system and reasoning stripped, raw UTF-8 JSON) and
+encoded with sentencepiece directly, never by the renderer under test.
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ def test_fixture_texts_encode_as_upstream():
         assert chat.prompt_ids(TOK, text) == [2] + want  # BOS, then upstream's sp.Encode ids
 
 
-def test_render_example_reproduces_fixture_text():
+def test_render_example_follows_2_0_15_on_the_fixture_example():
     prompt, target = chat.render_example(FIXTURE_EXAMPLE)
-    assert prompt + target == TEXTS[0]
-    assert prompt.endswith("<|im_start|>assistant\n") and target.startswith("<think>")
-    assert target.endswith("</tool_call><|im_end|>")
+    # The fixture is 2.0.8's rendering (`<think>{reasoning}</think>`); 2.0.15 puts the reasoning on its own lines.
+    old_think = "<think>Weather lookup.</think>\n"
+    assert TEXTS[0].count(old_think) == 1
+    assert prompt + target == TEXTS[0].replace(old_think, "<think>\nWeather lookup.\n</think>\n")
+    assert prompt == TEXTS[0].split(old_think)[0]  # the prompt half did not change
+    assert prompt.endswith("<|im_start|>assistant\n") and target.endswith("</tool_call><|im_end|>")
 
 
 def _prompt_by_hand(tools_text, query, system=None):
@@ -66,7 +70,8 @@ PROMPT_CASES = [
     (dict(query="Set a timer for 25 minutes.", tools=[{"name": "set_timer", "parameters": {"minutes": "int"}}]),
      '[{"name":"set_timer","parameters":{"minutes":"int"}}]', None),
     (dict(query="Wetter in Zürich?", tools=[{"name": "w", "description": "météo €"}], system="Be brief."),
-     '[{"name":"w","description":"m\\u00e9t\\u00e9o \\u20ac"}]', "Be brief."),  # ensure_ascii escapes
+     '[{"name":"w","description":"météo €"}]', "Be brief."),  # ensure_ascii=False: raw UTF-8
+    (dict(query="q", system="  Be brief.\n"), "[]", "Be brief."),  # system is stripped
     (dict(query="hi", tools='[ {"name": "x"} ]'), '[ {"name": "x"} ]', None),  # a string is used unchanged
     (dict(query="hi", tools=None, system=""), "[]", None),  # no tools is [], an empty system is left out
 ]
@@ -79,16 +84,37 @@ def test_prompt_ids_follow_the_spec_rule(kwargs, tools_text, system):
     assert chat.prompt_ids(TOK, chat.render_prompt(**kwargs)) == [2] + SP.Encode(text)
 
 
+def _target_by_hand(answers_text, reasoning=""):
+    """The 2.0.15 target rule written out: the think block only for non-empty (stripped) reasoning."""
+    think = "<think>\n" + reasoning + "\n</think>\n" if reasoning else ""
+    return think + "<tool_call>" + answers_text + "</tool_call><|im_end|>"
+
+
 def test_render_example_fields():
-    ex = {"query": "q", "system": "S", "function_calls": [{"name": "f", "arguments": {"a": "ü"}}]}
+    ex = {"query": "q", "system": " S\n", "function_calls": [{"name": "f", "arguments": {"a": "ü"}}]}
     prompt, target = chat.render_example(ex)
-    assert prompt == "<|im_start|>system\nS<|im_end|>\n" + _prompt_by_hand("[]", "q")
-    assert target == '<think></think>\n<tool_call>[{"name":"f","arguments":{"a":"\\u00fc"}}]</tool_call><|im_end|>'
+    assert prompt == _prompt_by_hand("[]", "q", system="S")
+    assert target == _target_by_hand('[{"name":"f","arguments":{"a":"ü"}}]')  # no reasoning: no <think>
     # answers win over function_calls; a string answer is used unchanged
     _, target = chat.render_example({"query": "q", "answers": "[ ]", "function_calls": [1]})
-    assert target == "<think></think>\n<tool_call>[ ]</tool_call><|im_end|>"
+    assert target == _target_by_hand("[ ]")
+    # None and whitespace-only reasoning are empty; reasoning is stripped; a whitespace system is left out
+    for reasoning in (None, "", " \n "):
+        prompt, target = chat.render_example({"query": "q", "reasoning": reasoning, "system": "  "})
+        assert target == "<tool_call>[]</tool_call><|im_end|>" and prompt == _prompt_by_hand("[]", "q")
+    _, target = chat.render_example({"query": "q", "reasoning": "  because.\n"})
+    assert target == _target_by_hand("[]", "because.")
     with pytest.raises(TokenizerError, match="string 'query'"):
         chat.render_example({"tools": []})
+
+
+def test_training_ids_follow_the_spec_rule():
+    ex = dict(FIXTURE_EXAMPLE, system="Be brief.", tools=[{"name": "météo"}])
+    prompt_text = _prompt_by_hand('[{"name":"météo"}]', ex["query"], system="Be brief.")
+    target_text = _target_by_hand('[{"name":"get_weather","arguments":{"location":"Paris"}}]', "Weather lookup.")
+    ids, mask = chat.training_ids(TOK, *chat.render_example(ex))
+    assert ids == [2] + SP.Encode(prompt_text) + SP.Encode(target_text) + [1]
+    assert sum(mask) == len(SP.Encode(target_text)) + 1
 
 
 def test_tools_string_must_be_json():
@@ -263,7 +289,7 @@ def test_extract_from_generated_ids():
     ids, mask = chat.training_ids(TOK, prompt, target)
     generated = [i for i, m in zip(ids, mask, strict=True) if m]  # target ids then EOS
     text = chat.decode(TOK, generated)
-    assert text == target and "\\u00fc" in text  # the model writes ASCII-escaped JSON
+    assert text == target and "Zürich" in text  # the model writes raw UTF-8 JSON (ensure_ascii=False)
     result = chat.extract_tool_call(text)
     assert result.ok and result.calls == (chat.Call("book", {"city": "Zürich", "note": "東京 €"}),)
     raw = chat.extract_tool_call('<tool_call>[{"name":"b","arguments":{"city":"Zürich"}}]</tool_call>')
