@@ -187,6 +187,9 @@ def inspect_command(
         typer.echo("engine:     " + " ".join(f"{k}={v}" for k, v in info["engine_config"].items()))
         typer.echo(f"            {info['records']} records, bits {info['bits']}, heads "
                    f"{', '.join(info['heads']) or 'none'}, tokenizer {'yes' if info['tokenizer'] else 'no'}")
+        for r in info.get("record_table", ()):  # a format that lists its records (Needle 3's .cact)
+            typer.echo(f"  #{r['index']:<4} {r['name']:<28} {r['dtype']:<4} {str(tuple(r['shape'])):<18} offset "
+                       f"{r['offset']} nbytes {r['nbytes']}" + (f" bits {r['bits']}" if r["dtype"] == "CQ" else ""))
     if "lint" in info:
         typer.echo("lint:       " + ("ok" if not info["lint"] else f"{len(info['lint'])} problem(s)"))
         for problem in info["lint"]:

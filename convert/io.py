@@ -305,7 +305,12 @@ def infer_write_format(dst: str | Path, to: str | None = None, family: Family | 
     if suffix == ".safetensors":
         return _safetensors_layout(dst, to, family)
     by_suffix = {".pkl": PICKLE, ".pickle": PICKLE, ".msgpack": MSGPACK,
-                 **{ext: f.name for f in registry.FORMATS.values() if f.write for ext in f.extensions}}.get(suffix)
+                 **{ext: f.name for f in registry.FORMATS.values()
+                    if f.write and (family is None or f.family == family.name) for ext in f.extensions}}.get(suffix)
+    owners = [registry.family_named(f.family).title for f in registry.FORMATS.values() if suffix in f.extensions]
+    if by_suffix is None and owners:
+        raise NeedleTwinError(f"a {suffix} file holds a {' or '.join(owners)} model, but this checkpoint is "
+                              f"{family.title}; pick another output format")
     if by_suffix is None and (dst.is_dir() or not suffix):
         return ORBAX if to == "flax" else HF_DIR
     if by_suffix is None:

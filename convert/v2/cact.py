@@ -20,21 +20,39 @@ anything is allocated or read, and a problem is one `CheckpointError` line namin
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import struct
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from convert import cact as container
 from convert import plan
 from convert.atomic import atomic_output
-from convert.errors import CheckpointError, ConfigError, NeedleTwinError, TokenizerError, one_line
+
+# The container's names this module's callers use (tests, parity_tests), kept importable from here.
+from convert.cact import (  # noqa: F401
+    CODEBOOK_LEN,
+    CQ,
+    DTYPE_NAMES,
+    FP16,
+    FP32,
+    RAW,
+    RECORD_FMT,
+    RECORD_SIZE,
+    CactRecord,
+    packed_row_bytes,
+    padded,
+    parse_tokenizer_blob,
+    spm_pieces,
+)
+from convert.cact import pack_codes as _pack_codes
+from convert.errors import CheckpointError, ConfigError, NeedleTwinError, TokenizerError
 from convert.source import source_from_tree
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.bits import (
@@ -47,21 +65,8 @@ from convert.v2.bits import (
     format_bits_map,
     parse_bits_map,
 )
-from convert.v2.config import BOS_ID, CHAT_MARKERS, ENGRAM_TAPS, EOS_ID, PAD_ID, UNK_ID, TransformerConfig
-from convert.v2.cq import (
-    GROUP,
-    TERNARY_RECORD_BITS,
-    codebook,
-    cq_decode,
-    cq_encode,
-    cq_nbytes,
-    pack_codes,
-    packed_row_bytes,
-    padded,
-    record_bits,
-    unpack_codes,
-    width_of_record,
-)
+from convert.v2.config import CHAT_MARKERS, ENGRAM_TAPS, TransformerConfig
+from convert.v2.cq import GROUP, record_bits, width_of_record
 from convert.v2.family import FAMILY
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES
 
@@ -71,21 +76,13 @@ OTHER_TAGS = {
                 "engine does not read; upstream issue #58): re-export it with this tool or cactus-needle >= 2.0.3",
     0x05E12A84: "a Needle 3 file (tag 0x05E12A84); Needle 2 tools cannot read it",
 }
-HEADER_FMT, RECORD_FMT = "<29If", "<BBHIIIIQQII"
-HEADER_SIZE, RECORD_SIZE = struct.calcsize(HEADER_FMT), struct.calcsize(RECORD_FMT)  # 120, 44
-ALIGN = 64
-FP16, FP32, CQ, RAW = 1, 2, 3, 4
-DTYPE_NAMES = {FP16: "FP16", FP32: "FP32", CQ: "CQ", RAW: "RAW"}
-CB_BITS = (2, 3, 4)  # the header's codebooks (ternary's is analytic and not stored)
-CODEBOOK_LEN = sum(1 << b for b in CB_BITS)  # 28
+HEADER_FMT = "<29If"
+HEADER_SIZE = struct.calcsize(HEADER_FMT)  # 120
 MAX_SLOTS = 4  # the header holds 4 engram orders and 4 sites
-MAX_GROUP = 1024  # CQ group sizes we read (upstream writes 128); bounds the g×g rotation we allocate
 HEAD_CODES = {"contrastive_head": 1, "confidence_head": 2}  # upstream's manifest codes, in canonical order
 HEAD_PROBES = {"contrastive_head": CONTRASTIVE_PROBES, "confidence_head": CONFIDENCE_PROBES}
 HEAD_GROUP = {"contrastive_head": "contrastive", "confidence_head": "confidence"}
 LOG_TEMP_INIT = math.log(0.07)  # upstream's contrastive_head/log_temp initialiser (not exported)
-TK_NORMAL, TK_UNKNOWN, TK_CONTROL, TK_USER_DEFINED, TK_BYTE = 0, 1, 2, 3, 4
-TOKENIZER_HEADER_FMT, TOKENIZER_PIECE_FMT = "<IIIIIBBH", "<fBH"
 
 HEADER_FIELDS = (
     "tag", "num_tensors", "codebook_len", "kv_window", "kv_bits", "vocab_size", "d_model", "num_heads",
@@ -207,225 +204,34 @@ def expected_records(geo: Geometry, heads: Mapping[str, int], tokenizer: bool) -
     return out
 
 
-# ----------------------------------------------------------------------------- records
+# ----------------------------------------------------------------------------- the container's Needle 2 layout
 
 
-@dataclass(frozen=True)
-class CactRecord:
-    """One directory entry (upstream's `_REC_FMT`) with the name its position gives it."""
-
-    index: int
-    name: str
-    dtype: int
-    ndim: int
-    pad: int
-    dims: tuple[int, int, int, int]  # shape[4] as stored (zero beyond ndim)
-    offset: int
-    nbytes: int
-    group: int
-    bits: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.dims[: self.ndim])
-
-    def row(self) -> tuple[int, ...]:
-        """The 11 stored columns: dtype, ndim, pad, shape[0..3], offset, nbytes, group, bits."""
-        return (self.dtype, self.ndim, self.pad, *self.dims, self.offset, self.nbytes, self.group, self.bits)
-
-    def label(self) -> str:
-        return f"record {self.index} ({self.name})" if self.name else f"record {self.index}"
-
-    def expected_nbytes(self) -> int | None:
-        """The size its dtype, shape and bits imply (None for RAW, or for a CQ record that is malformed)."""
-        count = math.prod(self.shape)
-        if self.dtype == FP16:
-            return 2 * count
-        if self.dtype == FP32:
-            return 4 * count
-        if self.dtype == CQ and self.ndim == 2 and _valid_group(self.group) and self.bits in (2, 3, 4, 5):
-            return cq_nbytes(self.shape[0], self.shape[1], self.bits, self.group)
-        return None
+def _sites(h: Mapping[str, Any]) -> int:
+    return min(h["num_engram_sites"], MAX_SLOTS)
 
 
-def _valid_group(g: int) -> bool:
-    return 8 <= g <= MAX_GROUP and g & (g - 1) == 0
-
-
-# ----------------------------------------------------------------------------- structure (shared by read and lint)
-
-
-@dataclass
-class _Scan:
-    """What could be parsed of a file, and every problem found on the way (fatal ones stop the scan)."""
-
-    path: Path
-    size: int
-    header: dict[str, Any] = field(default_factory=dict)
-    codebook: np.ndarray | None = None
-    records: list[CactRecord] = field(default_factory=list)
-    heads: tuple[str, ...] = ()
-    tokenizer: bool = False
-    problems: list[str] = field(default_factory=list)
-    fatal: bool = False
-
-    def stop(self, problem: str) -> _Scan:
-        self.problems.append(problem)
-        self.fatal = True
-        return self
-
-
-def _read_at(f, offset: int, n: int) -> bytes:
-    f.seek(offset)
-    data = f.read(n)
-    if len(data) != n:  # the file shrank under us
-        raise CheckpointError(f"could read only {len(data)} of {n} bytes at offset {offset}; the file changed while "
-                              "being read")
-    return data
-
-
-def _scan(path: Path) -> _Scan:
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({one_line(e)}); give an existing .cact file") from None
-    if path.is_dir():
-        raise CheckpointError(f"{path} is a directory; give a .cact file")
-    scan = _Scan(path, size)
-    if size < HEADER_SIZE:
-        return scan.stop(f"{size} bytes, shorter than the {HEADER_SIZE}-byte .cact header: the file is empty or "
-                         "truncated; re-export it")
-    try:
-        with open(path, "rb") as f:
-            return _scan_open(f, scan)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({one_line(e)}); check the file's permissions") from None
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-
-
-def _scan_open(f, scan: _Scan) -> _Scan:
-    size = scan.size
-    head = struct.unpack(HEADER_FMT, _read_at(f, 0, HEADER_SIZE))
-    scan.header = h = dict(zip(HEADER_FIELDS, head, strict=True))
-    if h["tag"] != TAG:
-        why = OTHER_TAGS.get(h["tag"], "not a Needle 2 .cact file (or its first bytes are damaged)")
-        return scan.stop(f"wrong tag 0x{h['tag']:08X}, expected 0x{TAG:08X}: {why}")
-    n, cb_len = h["num_tensors"], h["codebook_len"]
-    directory_end = HEADER_SIZE + 4 * cb_len + RECORD_SIZE * n
-    if directory_end > size:
-        return scan.stop(f"the header announces a {cb_len}-value codebook and {n} records, which need "
-                         f"{directory_end} bytes before the first blob, but the file has {size}: the header is "
-                         "damaged or the file truncated; re-export it")
-    scan.codebook = np.frombuffer(_read_at(f, HEADER_SIZE, 4 * cb_len), "<f4").astype(np.float32)
-    table = _read_at(f, HEADER_SIZE + 4 * cb_len, RECORD_SIZE * n)
-    # Provisional names for messages: the model records' follow from L and G alone (heads need the manifest).
-    L, G = h["num_layers"], min(h["num_engram_sites"], MAX_SLOTS)
-    names = layout_names(L, G) if model_record_count(L, G) <= n else []  # n is bounded by the file size
-    for i in range(n):
-        dtype, ndim, pad, *rest = struct.unpack_from(RECORD_FMT, table, i * RECORD_SIZE)
-        dims, (offset, nbytes, group, bits) = tuple(rest[:4]), rest[4:]
-        name = names[i] if i < len(names) else ""
-        scan.records.append(CactRecord(i, name, dtype, ndim, pad, dims, offset, nbytes, group, bits))
-    for rec in scan.records:
-        problem = _record_problem(rec, directory_end, size)
-        if problem:
-            return scan.stop(problem)
-    _name_records(f, scan)
-    return scan
-
-
-def _record_problem(rec: CactRecord, directory_end: int, size: int) -> str | None:
-    """A directory entry that cannot be read safely (a lie about sizes, places or kinds)."""
-    where = rec.label()
-    if rec.dtype not in DTYPE_NAMES:
-        return f"{where}: unknown dtype {rec.dtype} (1 FP16, 2 FP32, 3 CQ, 4 RAW); the directory is damaged"
-    if rec.ndim > 4:
-        return f"{where}: ndim {rec.ndim} is more than the 4 dimensions a record holds; the directory is damaged"
-    if rec.offset < directory_end or rec.offset + rec.nbytes > size:
-        return (f"{where}: its blob [{rec.offset}, {rec.offset + rec.nbytes}) lies outside the data area "
-                f"[{directory_end}, {size}) of this {size}-byte file; the directory is damaged or the file truncated")
-    if rec.dtype == CQ:
-        if rec.ndim != 2:
-            return f"{where}: a CQ record must be 2-D (out, in), got ndim {rec.ndim}; the directory is damaged"
-        if not _valid_group(rec.group):
-            return (f"{where}: CQ group {rec.group} is not a power of two in 8..{MAX_GROUP} (upstream writes "
-                    f"{GROUP}); the directory is damaged")
-        if rec.bits not in (2, 3, 4, TERNARY_RECORD_BITS):
-            return f"{where}: CQ bits {rec.bits} is not 2, 3, 4 or 5 (ternary); the directory is damaged"
-    expected = rec.expected_nbytes()
-    if expected is not None and expected != rec.nbytes:
-        what = f"{DTYPE_NAMES[rec.dtype]} {rec.shape}" + (f" at {rec.bits} bits" if rec.dtype == CQ else "")
-        return f"{where}: nbytes {rec.nbytes}, but {what} takes {expected}; the directory is damaged"
-    return None
-
-
-def _name_records(f, scan: _Scan) -> None:
-    """Give each record its §7.3 name from the header's L and G (and the heads manifest); a count that fits no
-    layout is a problem."""
-    h, records = scan.header, scan.records
-    L, G = h["num_layers"], min(h["num_engram_sites"], MAX_SLOTS)
-    base = model_record_count(L, G)
-    scan.tokenizer = bool(records) and records[-1].dtype == RAW
-    extra = len(records) - base - scan.tokenizer
-    heads: tuple[str, ...] = ()
-    if extra and (extra < 4 or (extra - 1) % 3):  # heads: a manifest, then 3 records per head
-        scan.stop(f"{len(records)} records do not fit the header's geometry: L={L} layers and G={G} engram sites "
-                  f"give {base} model records, then 1 + 3 per probe head, then the tokenizer; the header or the "
-                  "directory is damaged")
-        return
-    if extra:
-        manifest = records[base]
-        count = (extra - 1) // 3
-        if manifest.dtype != FP16 or manifest.shape != (count,):
-            scan.stop(f"record {base} should be the heads manifest, FP16 ({count},), but is "
-                      f"{DTYPE_NAMES[manifest.dtype]} {manifest.shape}; the directory is damaged")
-            return
-        codes = np.frombuffer(_read_at(f, manifest.offset, manifest.nbytes), "<f2").astype(np.float64)
-        by_code = {c: name for name, c in HEAD_CODES.items()}
-        unknown = [c for c in codes if c not in by_code]
-        if unknown or len(set(codes)) != len(codes):
-            scan.stop(f"record {base} (heads.manifest) holds codes {codes.tolist()}; upstream writes each of 1 "
-                      "(contrastive) and 2 (confidence) at most once; the file is damaged")
-            return
-        heads = tuple(by_code[c] for c in codes)
-    scan.heads = heads
-    names = layout_names(L, G, heads, scan.tokenizer)
-    scan.records = [dataclasses.replace(r, name=name) for r, name in zip(records, names, strict=True)]
-
-
-def _raise_first(scan: _Scan) -> None:
-    if scan.problems:
-        more = len(scan.problems) - 1
-        raise CheckpointError(f"{scan.path}: {scan.problems[0]}" + (f" (and {more} more: run lint)" if more else ""))
+LAYOUT = container.Layout(
+    title="Needle 2", tag=TAG, other_tags=OTHER_TAGS, header_fmt=HEADER_FMT, header_fields=HEADER_FIELDS,
+    cq_bits=(2, 3, 4, container.TERNARY_RECORD_BITS),
+    model_count=lambda h: model_record_count(h["num_layers"], _sites(h)),
+    model_names=lambda h: layout_names(h["num_layers"], _sites(h)),
+    geometry_words=lambda h: f"L={h['num_layers']} layers and G={_sites(h)} engram sites",
+    heads={code: (head, ("probes", "proj", "bias")) for head, code in HEAD_CODES.items()},
+    head_counts=lambda extra: None if extra < 4 or (extra - 1) % 3 else (extra - 1) // 3,
+    heads_words="1 + 3 per probe head",
+    codes_words="each of 1 (contrastive) and 2 (confidence) at most once",
+)
 
 
 # ----------------------------------------------------------------------------- reading
 
 
-class CactFile:
-    """A `.cact` file opened for reading: header, codebook and directory are read (and checked against the file
-    size) at once; tensors only when asked for. `tensor(i)` / `tensors()` give what upstream's `read_export`
-    gives: FP16 and FP32 as float32 arrays, CQ dequantised with freshly computed codebooks (as upstream does, not
-    the header's), RAW as bytes."""
+class CactFile(container.CactFile):
+    """A Needle 2 `.cact` opened for reading (`convert.cact.CactFile`), with the header as the engine reads it."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        scan = _scan(Path(path))
-        _raise_first(scan)
-        self.path, self.size = scan.path, scan.size
-        self.header: dict[str, Any] = scan.header
-        self.codebook: np.ndarray = scan.codebook
-        self.records: list[CactRecord] = scan.records
-        self.heads: tuple[str, ...] = scan.heads  # probe heads, in manifest order
-        self.has_tokenizer: bool = scan.tokenizer
-        self._index = {r.name: r.index for r in self.records}
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    @property
-    def names(self) -> list[str]:
-        return [r.name for r in self.records]
+        super().__init__(path, LAYOUT)
 
     @property
     def geometry(self) -> Geometry:
@@ -439,52 +245,6 @@ class CactFile:
                 **{k: h[k] for k in HEADER_FIELDS[3:19]},
                 "engram_orders": self.geometry.engram_orders, "engram_layers": self.geometry.engram_layers,
                 "rope_theta": h["rope_theta"]}
-
-    def record(self, key: int | str) -> CactRecord:
-        if isinstance(key, str):
-            if key not in self._index:
-                raise KeyError(f"{self.path} has no record named {key!r}; it has {', '.join(self.names)}")
-            key = self._index[key]
-        return self.records[key]
-
-    def blob(self, key: int | str) -> bytes:
-        rec = self.record(key)
-        with open(self.path, "rb") as f:
-            try:
-                return _read_at(f, rec.offset, rec.nbytes)
-            except CheckpointError as e:
-                raise CheckpointError(f"{self.path}: {rec.label()}: {e}") from None
-
-    def codes(self, key: int | str) -> tuple[np.ndarray, np.ndarray]:
-        """A CQ record's (indices (out, Ip) uint8, fp16 norms (out, Ip/g)); ternary indices are 0, 1, 2."""
-        rec = self.record(key)
-        if rec.dtype != CQ:
-            raise CheckpointError(f"{self.path}: {rec.label()} is {DTYPE_NAMES[rec.dtype]}, not CQ")
-        out, in_dim = rec.shape
-        in_pad = padded(in_dim, rec.group)
-        blob = self.blob(rec.index)
-        row_bytes = packed_row_bytes(in_pad, rec.bits)
-        n_packed = out * row_bytes
-        packed = np.frombuffer(blob, np.uint8, n_packed).reshape(out, row_bytes)
-        norms = np.frombuffer(blob, "<f2", offset=n_packed).astype(np.float16).reshape(out, in_pad // rec.group)
-        return unpack_codes(packed, rec.bits, in_pad), norms
-
-    def tensor(self, key: int | str) -> np.ndarray | bytes:
-        rec = self.record(key)
-        if rec.dtype == RAW:
-            return self.blob(rec.index)
-        if rec.dtype in (FP16, FP32):
-            return np.frombuffer(self.blob(rec.index), "<f2" if rec.dtype == FP16 else "<f4").astype(np.float32
-                                                                                                   ).reshape(rec.shape)
-        idx, norms = self.codes(rec.index)
-        try:
-            return cq_decode(idx, norms, rec.shape[1], width_of_record(rec.bits), rec.group)
-        except CheckpointError as e:
-            raise CheckpointError(f"{self.path}: {rec.label()}: {e}") from None
-
-    def tensors(self) -> list[np.ndarray | bytes]:
-        """Every record, positional, as upstream's `read_export` returns them."""
-        return [self.tensor(i) for i in range(len(self.records))]
 
     @property
     def config(self) -> TransformerConfig:
@@ -735,7 +495,6 @@ def _check_representable(geo: Geometry) -> None:
         k, v = next(iter(bad.items()))
         raise ConfigError(f"{k}={v} does not fit the .cact header's unsigned 32-bit field; use 0 <= {k} < 2**32")
 
-
 def _header(geo: Geometry, num_tensors: int) -> bytes:
     orders = list(geo.engram_orders) + [0] * (MAX_SLOTS - len(geo.engram_orders))
     sites = list(geo.engram_layers) + [0] * (MAX_SLOTS - len(geo.engram_layers))
@@ -744,29 +503,22 @@ def _header(geo: Geometry, num_tensors: int) -> bytes:
                        geo.hada_n, geo.mhc_lanes, geo.engram_slots, geo.engram_sub_dim, geo.num_engram_tables,
                        ENGRAM_TAPS, max(geo.engram_orders), len(geo.engram_orders), *orders,
                        len(geo.engram_layers), *sites, geo.rope_theta)
-    cb = np.concatenate([codebook(b, GROUP) for b in CB_BITS]).astype("<f4")
-    return head + cb.tobytes()
+    return head + container.header_codebook(GROUP).tobytes()
 
 
-class _Blob(NamedTuple):
-    name: str
-    dtype: int
-    shape: tuple[int, ...]
-    data: bytes
-    group: int = 0
-    bits: int = 0
-
-
-def _fp16(name: str, value: np.ndarray) -> _Blob:
-    a = np.asarray(value, np.float16)  # upstream's np.asarray(arr, np.float16): round to nearest even
-    return _Blob(name, FP16, a.shape, a.astype("<f2").tobytes())
+_Blob = container.Blob
+_fp16 = container.fp16_blob
 
 
 def _cq(name: str, mat: np.ndarray, spec: Bits | tuple[BitsMap, Bits]) -> _Blob:
     bits = bits_for(name, *spec) if isinstance(spec, tuple) else spec
-    idx, _, norm16 = cq_encode(np.asarray(mat, np.float32), bits, GROUP)
-    data = pack_codes(idx, bits).tobytes() + norm16.astype("<f2").tobytes()
-    return _Blob(name, CQ, tuple(mat.shape), data, GROUP, record_bits(bits))
+    return container.cq_blob(name, mat, record_bits(bits), GROUP)
+
+
+def pack_codes(idx: np.ndarray, bits: Bits) -> np.ndarray:
+    """(R, Ip) indices -> packed rows at a Needle 2 width (2, 3, 4 or 1.58): `convert.cact.pack_codes`."""
+    return _pack_codes(idx, record_bits(bits))
+
 
 
 def _blobs(flat: Mapping[str, np.ndarray], geo: Geometry, spec: Bits | tuple[BitsMap, Bits]) -> list[_Blob]:
@@ -802,155 +554,19 @@ def _blobs(flat: Mapping[str, np.ndarray], geo: Geometry, spec: Bits | tuple[Bit
     return out
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 def _pack(blobs: list[_Blob], geo: Geometry) -> bytes:
     """Upstream's `_pack_cact`: header and codebook, directory, then each blob at the next 64-byte boundary."""
-    header = _header(geo, len(blobs))
-    pos, offsets = len(header) + RECORD_SIZE * len(blobs), []
-    for b in blobs:
-        pos = _align(pos)
-        offsets.append(pos)
-        pos += len(b.data)
-    directory = b"".join(struct.pack(RECORD_FMT, b.dtype, len(b.shape), 0, *(list(b.shape) + [0] * 4)[:4], off,
-                                     len(b.data), b.group, b.bits) for b, off in zip(blobs, offsets, strict=True))
-    buf = bytearray(header + directory)
-    for b, off in zip(blobs, offsets, strict=True):
-        buf += bytes(off - len(buf))  # zero gap up to the 64-byte boundary
-        buf += b.data
-    return bytes(buf)
+    return container.pack(_header(geo, len(blobs)), blobs)
 
 
 # ----------------------------------------------------------------------------- tokenizer blob
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise TokenizerError("truncated or malformed varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, pos
-
-
-def _proto_fields(buf: bytes):
-    """(field number, wire type, value) of a protobuf message: ints for varint/fixed, bytes for length-delimited."""
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 1:
-            value, pos = buf[pos:pos + 8], pos + 8
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            value, pos = buf[pos:pos + length], pos + length
-        elif wire == 5:
-            value, pos = buf[pos:pos + 4], pos + 4
-        else:
-            raise TokenizerError(f"unsupported protobuf wire type {wire}")
-        if pos > len(buf):
-            raise TokenizerError("truncated protobuf field")
-        yield number, wire, value
-
-
-# sentencepiece_model.proto: ModelProto.pieces = 1; SentencePiece {piece = 1, score = 2, type = 3};
-# Type {NORMAL = 1, UNKNOWN = 2, CONTROL = 3, USER_DEFINED = 4, UNUSED = 5, BYTE = 6}, default NORMAL.
-_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_BYTE = 1, 2, 3, 6
-
-
-def spm_pieces(model: bytes) -> list[tuple[str, float, int]]:
-    """(piece, score, sentencepiece type) of every piece of a serialised SentencePiece ModelProto, in id order."""
-    out = []
-    for number, wire, value in _proto_fields(model):
-        if number != 1 or wire != 2:
-            continue
-        piece, score, kind = "", 0.0, _SP_NORMAL
-        for n, w, v in _proto_fields(value):
-            if n == 1 and w == 2:
-                piece = v.decode("utf-8")
-            elif n == 2 and w == 5:
-                score = struct.unpack("<f", v)[0]
-            elif n == 3 and w == 0:
-                kind = v
-        out.append((piece, score, kind))
-    return out
-
-
-def _model_bytes(tokenizer: Any) -> bytes:
-    if hasattr(tokenizer, "serialized_model_proto"):  # a loaded sentencepiece.SentencePieceProcessor
-        return tokenizer.serialized_model_proto()
-    if isinstance(tokenizer, (bytes, bytearray, memoryview)):
-        return bytes(tokenizer)
-    path = Path(tokenizer)
-    if not path.is_file():
-        raise TokenizerError(f"{path}: no such tokenizer file; give the SentencePiece .model file")
-    return path.read_bytes()
-
-
 def tokenizer_blob(tokenizer: Any) -> bytes:
     """Upstream's `_tokenizer_blob`: the RAW record for a SentencePiece model (a `.model` path, its bytes, or a
-    loaded SentencePieceProcessor). Types: control 2, unknown 1, byte 4, a chat marker 3, anything else 0."""
-    model = _model_bytes(tokenizer)
-    try:
-        pieces = spm_pieces(model)
-    except (TokenizerError, UnicodeDecodeError, struct.error) as e:
-        raise TokenizerError(f"not a readable SentencePiece model ({one_line(e)}); give the tokenizer's .model "
-                             "file") from None
-    if not pieces:
-        raise TokenizerError("the SentencePiece model holds no pieces; give the tokenizer's .model file")
-    markers = set(CHAT_MARKERS)
-    out = bytearray(struct.pack(TOKENIZER_HEADER_FMT, len(pieces), PAD_ID, EOS_ID, BOS_ID, UNK_ID, 1, 1, 0))
-    for piece, score, kind in pieces:
-        if kind == _SP_CONTROL:
-            t = TK_CONTROL
-        elif kind == _SP_UNKNOWN:
-            t = TK_UNKNOWN
-        elif kind == _SP_BYTE:
-            t = TK_BYTE
-        elif piece in markers:  # upstream classifies markers by text, not by their USER_DEFINED type
-            t = TK_USER_DEFINED
-        else:
-            t = TK_NORMAL
-        raw = piece.encode("utf-8")
-        out += struct.pack(TOKENIZER_PIECE_FMT, score, t, len(raw)) + raw
-    return bytes(out)
-
-
-def parse_tokenizer_blob(blob: bytes) -> dict[str, Any]:
-    """Upstream's `parse_tokenizer_blob`: {pieces, scores, types, pad_id, eos_id, bos_id, unk_id, add_dummy_prefix,
-    byte_fallback}; a TokenizerError if the blob is damaged."""
-    head = struct.calcsize(TOKENIZER_HEADER_FMT)
-    rec = struct.calcsize(TOKENIZER_PIECE_FMT)
-    if len(blob) < head:
-        raise TokenizerError(f"tokenizer blob of {len(blob)} bytes is shorter than its {head}-byte header")
-    n, pad, eos, bos, unk, dummy, byte_fb, _ = struct.unpack_from(TOKENIZER_HEADER_FMT, blob, 0)
-    if n * rec > len(blob) - head:
-        raise TokenizerError(f"tokenizer blob announces {n} pieces but holds {len(blob)} bytes")
-    pieces, scores, types, off = [], [], [], head
-    for i in range(n):
-        if off + rec > len(blob):
-            raise TokenizerError(f"tokenizer blob ends inside piece {i}")
-        score, t, ln = struct.unpack_from(TOKENIZER_PIECE_FMT, blob, off)
-        off += rec
-        if off + ln > len(blob):
-            raise TokenizerError(f"tokenizer blob ends inside piece {i}")
-        try:
-            pieces.append(blob[off:off + ln].decode("utf-8"))
-        except UnicodeDecodeError:
-            raise TokenizerError(f"tokenizer piece {i} is not UTF-8") from None
-        scores.append(score)
-        types.append(t)
-        off += ln
-    return {"pieces": pieces, "scores": scores, "types": types, "pad_id": pad, "eos_id": eos, "bos_id": bos,
-            "unk_id": unk, "add_dummy_prefix": bool(dummy), "byte_fallback": bool(byte_fb)}
+    loaded SentencePieceProcessor). Types: control 2, unknown 1, byte 4, a chat marker 3, anything else 0; Needle 2
+    writes add_dummy_prefix 1."""
+    return container.tokenizer_blob(tokenizer, CHAT_MARKERS, add_dummy_prefix=True)
 
 
 # ----------------------------------------------------------------------------- lint
@@ -964,31 +580,19 @@ def lint(path: str | os.PathLike, bits_map: str | None = None) -> list[str]:
     bits map (`bits_map` if given, else the one the records imply), the shapes against the header's geometry,
     the header codebook, and the config the engine will build from the header.
     """
-    try:
-        scan = _scan(Path(path))
-    except NeedleTwinError as e:
-        return [str(e)]
-    if scan.fatal:
-        return scan.problems
-    problems = list(scan.problems)
+    scan, problems = container.lint_scan(path, LAYOUT)
+    if scan is None:
+        return problems
     h, records = scan.header, scan.records
     geo = Geometry.of_header(h)
-    problems += _header_problems(h, scan.codebook)
-    problems += _placement_problems(scan)
-    problems += _record_field_problems(records)
+    problems += container.codebook_problems(h, scan.codebook)
+    problems += _header_problems(h)
+    problems += container.placement_problems(scan)
+    problems += container.record_field_problems(records)
     problems += _shape_problems(records, geo, scan.heads, scan.tokenizer)
     problems += _bits_problems(records, bits_map)
-    problems += _value_problems(scan)
-    if scan.tokenizer:
-        rec = records[-1]
-        try:
-            with open(scan.path, "rb") as f:
-                tok = parse_tokenizer_blob(_read_at(f, rec.offset, rec.nbytes))
-            if len(tok["pieces"]) != h["vocab_size"]:
-                problems.append(f"{rec.label()}: {len(tok['pieces'])} pieces but the header's vocab_size is "
-                                f"{h['vocab_size']}")
-        except (TokenizerError, CheckpointError, OSError) as e:
-            problems.append(f"{rec.label()}: {one_line(e)}")
+    problems += container.value_problems(scan)
+    problems += container.tokenizer_problems(scan, h["vocab_size"], exact=True)
     if not problems:
         try:
             _config_from(CactFile(scan.path))
@@ -997,38 +601,8 @@ def lint(path: str | os.PathLike, bits_map: str | None = None) -> list[str]:
     return problems
 
 
-def _value_problems(scan: _Scan) -> list[str]:
-    """Non-finite FP16 values and non-finite or negative CQ norms (what a damaged blob usually shows)."""
+def _header_problems(h: Mapping[str, Any]) -> list[str]:
     out = []
-    with open(scan.path, "rb") as f:
-        for r in scan.records:
-            if r.dtype == FP16:
-                values = np.frombuffer(_read_at(f, r.offset, r.nbytes), "<f2")
-            elif r.dtype == CQ:
-                in_pad = padded(r.shape[1], r.group)
-                n_norms = r.shape[0] * (in_pad // r.group)
-                values = np.frombuffer(_read_at(f, r.offset + r.nbytes - 2 * n_norms, 2 * n_norms), "<f2")
-                if np.any(values < 0):
-                    out.append(f"{r.label()}: {int(np.sum(values < 0))} negative group norms")
-            else:
-                continue
-            bad = int(np.count_nonzero(~np.isfinite(values)))
-            if bad:
-                what = "values" if r.dtype == FP16 else "group norms"
-                out.append(f"{r.label()}: {bad} non-finite fp16 {what}")
-    return out
-
-
-def _header_problems(h: Mapping[str, Any], cb: np.ndarray) -> list[str]:
-    out = []
-    if h["codebook_len"] != CODEBOOK_LEN:
-        out.append(f"header codebook_len {h['codebook_len']}, expected {CODEBOOK_LEN} (cb2|cb3|cb4)")
-    else:
-        fresh = np.concatenate([codebook(b, GROUP) for b in CB_BITS])
-        if not np.array_equal(cb, fresh):
-            worst = float(np.max(np.abs(cb.astype(np.float64) - fresh)))
-            out.append(f"header codebook differs from upstream's Lloyd-Max codebooks by up to {worst:.3g}: the engine "
-                       "decodes with the header's, upstream's reader with fresh ones; re-export the file")
     for what, count in (("engram orders", "num_engram_orders"), ("engram sites", "num_engram_sites")):
         if h[count] > MAX_SLOTS:
             out.append(f"header {count}={h[count]} but the header holds {MAX_SLOTS} {what}; the rest were dropped")
@@ -1040,45 +614,6 @@ def _header_problems(h: Mapping[str, Any], cb: np.ndarray) -> list[str]:
     return out
 
 
-def _placement_problems(scan: _Scan) -> list[str]:
-    out = []
-    records = sorted(scan.records, key=lambda r: r.offset)
-    directory_end = HEADER_SIZE + 4 * scan.header["codebook_len"] + RECORD_SIZE * len(scan.records)
-    if [r.index for r in records] != list(range(len(records))):
-        out.append("blobs are not stored in record order")
-    with open(scan.path, "rb") as f:
-        pos = directory_end
-        for r in records:
-            if r.offset % ALIGN:
-                out.append(f"{r.label()}: offset {r.offset} is not {ALIGN}-byte aligned (offset % {ALIGN} = "
-                           f"{r.offset % ALIGN}); the engine maps blobs at aligned addresses")
-            if r.offset < pos:
-                out.append(f"{r.label()}: its blob at {r.offset} overlaps the one before it (which ends at {pos})")
-            elif r.offset - pos >= ALIGN:
-                out.append(f"{r.label()}: {r.offset - pos} bytes of gap before its blob (upstream pads < {ALIGN})")
-            elif r.offset > pos and any(_read_at(f, pos, r.offset - pos)):
-                out.append(f"{r.label()}: the {r.offset - pos}-byte gap before its blob is not zero")
-            pos = max(pos, r.offset + r.nbytes)
-    if pos != scan.size:
-        out.append(f"{scan.size - pos} bytes after the last blob (upstream's file ends with it)")
-    return out
-
-
-def _record_field_problems(records: list[CactRecord]) -> list[str]:
-    out = []
-    for r in records:
-        if r.pad:
-            out.append(f"{r.label()}: pad field {r.pad} is not zero")
-        if any(r.dims[r.ndim:]):
-            out.append(f"{r.label()}: shape entries past ndim={r.ndim} are not zero: {list(r.dims)}")
-        if r.dtype != CQ and (r.group or r.bits):
-            out.append(f"{r.label()}: a {DTYPE_NAMES[r.dtype]} record has group {r.group} and bits {r.bits} "
-                       "(upstream writes 0, 0)")
-        if r.dtype == CQ and r.group != GROUP:
-            out.append(f"{r.label()}: CQ group {r.group}, upstream and the engine use {GROUP}")
-    return out
-
-
 def _shape_problems(records: list[CactRecord], geo: Geometry, heads: tuple[str, ...], tokenizer: bool) -> list[str]:
     head_width = {}
     for head in heads:
@@ -1086,13 +621,7 @@ def _shape_problems(records: list[CactRecord], geo: Geometry, heads: tuple[str, 
         head_width[head] = proj.shape[0] if proj is not None and proj.ndim == 2 else -1
     if "confidence_head" in head_width:
         head_width["confidence_head"] = 1
-    expected = expected_records(geo, head_width, tokenizer)
-    out = []
-    for r, (_, dtype, shape) in zip(records, expected, strict=True):
-        if r.dtype != dtype or (dtype != RAW and r.shape != shape):
-            out.append(f"{r.label()}: {DTYPE_NAMES.get(r.dtype, r.dtype)} {r.shape}, but the header's geometry "
-                       f"gives {DTYPE_NAMES[dtype]} {shape}")
-    return out
+    return container.shape_problems(records, expected_records(geo, head_width, tokenizer))
 
 
 def _bits_problems(records: list[CactRecord], bits_map: str | None) -> list[str]:

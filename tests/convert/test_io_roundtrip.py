@@ -20,7 +20,7 @@ from convert import io, plan
 from convert.errors import CheckpointError, NeedleTwinError
 from convert.mapping import flax_to_torch_numpy, random_flax_params
 from convert.plan import Piece, Planned
-from convert.registry import family_of
+from convert.registry import family_named, family_of
 from convert.tensors import TensorRef
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v1.config import TransformerConfig
@@ -59,7 +59,19 @@ def test_output_format_from_destination(tmp_path, dst, to, fmt):
 
 def test_contradicting_to_is_an_error(tmp_path):
     with pytest.raises(NeedleTwinError, match="contradicts"):
-        io.infer_write_format(tmp_path / "m.safetensors", "flax")
+        io.infer_write_format(tmp_path / "m.pkl", "torch")
+
+
+def test_safetensors_layout_follows_the_family(tmp_path):
+    """Upstream writes safetensors itself only for Needle 3: there --to picks the layout; Needle 2's are pickles."""
+    dst = tmp_path / "m.safetensors"
+    assert io.infer_write_format(dst, "flax", family_named("v3")) == io.UPSTREAM_SAFETENSORS
+    assert io.infer_write_format(dst, "torch", family_named("v3")) == io.SAFETENSORS
+    with pytest.raises(NeedleTwinError, match="--to torch.*--to flax"):
+        io.infer_write_format(dst, None, family_named("v3"))
+    with pytest.raises(NeedleTwinError, match="pickles"):
+        io.infer_write_format(dst, "flax", family_named("v2"))
+    assert io.infer_write_format(dst, None, family_named("v2")) == io.SAFETENSORS
 
 
 # ----------------------------------------------------------------------------- round trips
