@@ -65,6 +65,7 @@ def convert(src: Path, dst: Path, *, to: str | None = None, dtype: str | None = 
         return _convert_adapter(kind, src, dst, base, merge, allow_untrained, force, start, to=to, dtype=dtype,
                                 max_shard_size=max_shard_size, bits=bits, tokenizer=tokenizer)
     if base is not None or merge or allow_untrained:
+        io.detect_format(src)  # an unreadable SRC (empty, missing) says so before being called a checkpoint
         raise NeedleTwinError(f"{src} is a checkpoint, not an adapter: --base, --merge and --allow-untrained are for "
                               "converting a LoRA adapter; drop them")
     source = io.open_source(src)
@@ -142,7 +143,8 @@ def _convert_adapter(kind, src: Path, dst: Path, base: Path | None, merge: bool,
                                  sum(a.size for a in arrays), nbytes, ",".join(dtypes), time.perf_counter() - start)
         else:
             kind.write(adapter, ckpt.config, dst, base=str(base), force=force)
-            out_format = "upstream LoRA pickle" if Path(dst).suffix == ".pkl" else "PEFT adapter"
+            out_format = {".pkl": "upstream LoRA pickle", ".safetensors": "upstream LoRA safetensors"}.get(
+                Path(dst).suffix, "PEFT adapter")
     params = sum(math.prod(ab[k].shape) for ab in adapter.lora.values() for k in ("A", "B"))
     return ConvertResult(Path(src), Path(dst), kind.name, out_format, 2 * len(adapter.lora), params,
                          params * 4, "float32", time.perf_counter() - start)

@@ -15,11 +15,12 @@ from convert.v1.family import FAMILY as V1
 from convert.v2 import formats as v2_formats
 from convert.v2.family import FAMILY as V2
 from convert.v3 import formats as v3_formats
+from convert.v3 import lora as v3_lora
 from convert.v3.family import FAMILY as V3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (V1, V2, V3)}
 FORMATS: dict[str, FileFormat] = {f.name: f for f in (*v3_formats.FORMATS, *v2_formats.FORMATS)}  # v3 sniffs first
-ADAPTERS: dict[str, AdapterFormat] = {f.name: f for f in (*v2_formats.ADAPTERS,)}
+ADAPTERS: dict[str, AdapterFormat] = {f.name: f for f in (*v3_lora.ADAPTERS, *v2_formats.ADAPTERS)}
 
 
 def adapter_format(path) -> AdapterFormat | None:

@@ -1,9 +1,11 @@
 """Needle 2 LoRA adapters (`needle finetune`, NEEDLE_V2.md §7.2): upstream's merge rule and files, and PEFT's.
 
 An adapter is {"lora": {flax path: {"A": (L, in, r), "B": (L, r, out)}}, "scale": alpha / rank,
-"base": base checkpoint path, "rank": r}. Upstream merges W' = W + cast_{W.dtype}(scale * (A @ B)):
-the product in float32, batched over the layer axis, cast to W's dtype before the addition, so
-the sum happens in W's dtype (float16 when `needle build` merges into a float16 checkpoint).
+"base": base checkpoint path, "rank": r}; from 2.0.15 on (NEEDLE_V3.md §13 item 3) it also holds "qat_bits"
+(int or None), "qat_bits_map" (str or None) and "seed" (int), which 2.0.8's lack (read as None).
+Upstream merges W' = W + cast_{W.dtype}(scale * (A @ B)): the product in float32, batched over the layer
+axis, cast to W's dtype before the addition, so the sum happens in W's dtype (float16 when `needle build`
+merges into a float16 checkpoint).
 
 PEFT holds the same adapter as one (lora_A, lora_B) pair of Linear weights per adapted module of
 the torch twin: lora_A.weight (r, in) = A[i]ᵀ, lora_B.weight (out, r) = B[i]ᵀ, and it scales by
@@ -16,6 +18,7 @@ Shapes: L layers, in/out the kernel's (in, out) widths, r rank.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -29,12 +32,13 @@ from typing import Any
 import numpy as np
 
 from convert.atomic import atomic_output
-from convert.errors import CheckpointError
+from convert.errors import CheckpointError, ConfigError
 from convert.formats import safetensors_format
 from convert.plan import Planned
 from convert.safe_pickle import load_file
 from convert.tensors import dtype_name, is_finite
 from convert.trees import flatten_tree, unflatten_tree
+from convert.v2.bits import parse_bits_map
 from convert.v2.config import TransformerConfig
 from convert.v2.mapping import block, dims
 
@@ -45,6 +49,8 @@ LORA_TARGETS = tuple(f"stack/layers/block/self_attn/{p}/kernel" for p in
                      ("q_proj", "k_proj", "v_proj", "gate_proj", "out_proj"))
 ZERO_BASE = 1e-6  # upstream keeps a target only if max|W| > this
 UPSTREAM_KEYS = ("lora", "scale", "base", "rank")
+LATE_KEYS = ("qat_bits", "qat_bits_map", "seed")  # 2.0.15's additions, after UPSTREAM_KEYS in its pickle
+PEFT_LATE_KEY = "needle2_adapter"  # adapter_model.safetensors metadata: JSON of LATE_KEYS, when the adapter has them
 PEFT_CONFIG, PEFT_WEIGHTS, PEFT_PICKLE_WEIGHTS = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's module names in its files
 PICKLE_PROTOCOL = 4  # what upstream's `pickle.dump(adapter, f)` writes on Python 3.8-3.13 (the fixture's)
@@ -98,6 +104,16 @@ class Adapter:
     scale: float
     rank: int
     base: str = ""
+    qat_bits: int | None = None  # 2.0.15: the CQ width the fine-tune's STE trained for (`needle build` exports it)
+    qat_bits_map: str | None = None  # 2.0.15: the mixed bits map it trained for instead
+    seed: int | None = None  # 2.0.15: the LoRA init's PRNGKey seed
+
+    @property
+    def late(self) -> dict[str, Any] | None:
+        """2.0.15's extra fields as its pickle holds them; None for a 2.0.8 adapter (it has none of them)."""
+        if self.qat_bits is None and self.qat_bits_map is None and self.seed is None:
+            return None
+        return {"qat_bits": self.qat_bits, "qat_bits_map": self.qat_bits_map, "seed": self.seed}
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -145,6 +161,7 @@ def _check(adapter: Adapter, what: str, allow_untrained: bool = False) -> Adapte
     if not isinstance(adapter.base, str):
         raise CheckpointError(f"{what}: base is of type {type(adapter.base).__name__}; expected the base "
                               "checkpoint's path as a string")
+    _check_late(adapter, what)
     layers, zero = None, []
     for target, ab in adapter.lora.items():
         if target not in LORA_TARGETS:
@@ -182,6 +199,39 @@ def _check(adapter: Adapter, what: str, allow_untrained: bool = False) -> Adapte
             "this adapter changes nothing: it was saved before any training step, upstream issue #59); re-run "
             "finetune, or pass allow_untrained=True to use it anyway")
     return adapter
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_late(adapter: Adapter, what: str) -> None:
+    """2.0.15's fields: qat_bits a CQ width or None, qat_bits_map a bits map or None, seed an integer or None."""
+    if adapter.qat_bits is not None:
+        if not _is_int(adapter.qat_bits) or adapter.qat_bits not in (2, 3, 4):
+            raise CheckpointError(f"{what}: qat_bits is {adapter.qat_bits!r}; expected None or a CQ width 2, 3 or 4 "
+                                  "(`needle finetune --qat-bits`)")
+    if adapter.qat_bits_map is not None:
+        if not isinstance(adapter.qat_bits_map, str):
+            raise CheckpointError(f"{what}: qat_bits_map is of type {type(adapter.qat_bits_map).__name__}; expected "
+                                  "None or a bits map string such as 'default=2,embedding=4'")
+        try:
+            parse_bits_map(adapter.qat_bits_map)
+        except ConfigError as e:
+            raise CheckpointError(f"{what}: qat_bits_map {adapter.qat_bits_map[:80]!r} is not a bits map ({e})") \
+                from None
+    if adapter.seed is not None and not _is_int(adapter.seed):
+        raise CheckpointError(f"{what}: seed is {adapter.seed!r}; expected None or an integer (the LoRA init's "
+                              "PRNGKey seed)")
+
+
+def _late_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """2.0.15's fields from a pickle dict or JSON (absent: None, as upstream's `adapter.get` reads them)."""
+    out = {k: obj.get(k) for k in LATE_KEYS}
+    for k in ("qat_bits", "seed"):
+        if isinstance(out[k], np.integer):
+            out[k] = int(out[k])
+    return out
 
 
 def _expected(target: str, config: TransformerConfig) -> tuple[int, int, int]:
@@ -299,15 +349,20 @@ def read_upstream_adapter(path: str | Path, *, allow_untrained: bool = False) ->
         scale = float(scale)
     if isinstance(rank, (numbers.Integral, np.integer)) and not isinstance(rank, bool):
         rank = int(rank)
-    return _check(Adapter(dict(obj["lora"]), scale, rank, obj["base"]), what, allow_untrained)
+    return _check(Adapter(dict(obj["lora"]), scale, rank, obj["base"], **_late_fields(obj)), what, allow_untrained)
 
 
 def upstream_dict(adapter: Adapter, base: str | None = None) -> dict[str, Any]:
-    """The adapter as upstream's `needle finetune` pickles it: float32 arrays, Python float scale and int rank."""
+    """The adapter as upstream's `needle finetune` pickles it: float32 arrays, Python float scale and int rank;
+    2.0.15's qat_bits, qat_bits_map and seed follow when the adapter has any of them (2.0.15 writes all three)."""
     lora = {t: {"A": np.ascontiguousarray(ab["A"], np.float32), "B": np.ascontiguousarray(ab["B"], np.float32)}
             for t, ab in sorted(adapter.lora.items())}  # sorted, as jax flattens the tree
-    return {"lora": lora, "scale": float(adapter.scale), "base": adapter.base if base is None else base,
-            "rank": int(adapter.rank)}
+    out = {"lora": lora, "scale": float(adapter.scale), "base": adapter.base if base is None else base,
+           "rank": int(adapter.rank)}
+    late = adapter.late
+    if late is not None:
+        out.update((k, int(v) if _is_int(v) else v) for k, v in late.items())
+    return out
 
 
 def write_upstream_adapter(adapter: Adapter, dst: str | Path, *, base: str | None = None,
@@ -379,9 +434,12 @@ def write_peft(adapter: Adapter, config: TransformerConfig, dst: str | Path, *, 
     _check_config(adapter, config, what)
     tensors = [Planned.of(name, array) for name, array in peft_tensors(adapter).items()]
     text = json.dumps(peft_config(adapter, base_name), indent=2, sort_keys=True) + "\n"  # PEFT's own layout
+    metadata = {"format": "pt"}  # PEFT's metadata; PEFT ignores any other key, so 2.0.15's fields ride along
+    if adapter.late is not None:
+        metadata[PEFT_LATE_KEY] = json.dumps({k: int(v) if _is_int(v) else v for k, v in adapter.late.items()})
     with atomic_output(dst, force=force, directory=True) as tmp:
         tmp.mkdir()
-        safetensors_format.write_file(tmp / PEFT_WEIGHTS, tensors, {"format": "pt"})  # PEFT's metadata
+        safetensors_format.write_file(tmp / PEFT_WEIGHTS, tensors, metadata)
         (tmp / PEFT_CONFIG).write_text(text, encoding="utf-8")
     return dst
 
@@ -409,9 +467,19 @@ def read_peft(path: str | Path, *, allow_untrained: bool = False, num_layers: in
         raise CheckpointError(f"{what}/{PEFT_CONFIG}: not readable JSON ({type(e).__name__}); fix the file") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{what}/{PEFT_CONFIG}: a JSON {type(config).__name__}, not an object")
-    refs, _, _ = safetensors_format.read_header(path / PEFT_WEIGHTS)
+    refs, metadata, _ = safetensors_format.read_header(path / PEFT_WEIGHTS)
     tensors = {name: ref.load() for name, ref in refs.items()}
-    return from_peft_state(tensors, config, what, allow_untrained=allow_untrained, num_layers=num_layers)
+    adapter = from_peft_state(tensors, config, what, allow_untrained=allow_untrained, num_layers=num_layers)
+    if PEFT_LATE_KEY not in metadata:
+        return adapter  # PEFT's own files, or a 2.0.8 adapter's
+    try:
+        late = json.loads(metadata[PEFT_LATE_KEY])
+    except json.JSONDecodeError:
+        late = None
+    if not isinstance(late, dict):
+        raise CheckpointError(f"{what}/{PEFT_WEIGHTS}: its {PEFT_LATE_KEY!r} metadata is not a JSON object; the "
+                              "file is damaged, re-convert the adapter")
+    return _check(dataclasses.replace(adapter, **_late_fields(late)), what, allow_untrained)
 
 
 # Fields whose non-default value changes what the adapter computes in ways upstream's W + scale·A@B cannot
@@ -570,6 +638,9 @@ def describe(adapter: Adapter) -> dict[str, Any]:
         "targets": {t: {"A": list(ab["A"].shape), "B": list(ab["B"].shape), "dtype": dtype_name(ab["A"].dtype)}
                     for t, ab in adapter.lora.items()},
         "untrained_targets": [t for t, ab in adapter.lora.items() if not np.any(ab["B"])],
+        "qat_bits": adapter.qat_bits,
+        "qat_bits_map": adapter.qat_bits_map,
+        "seed": adapter.seed,
     }
 
 

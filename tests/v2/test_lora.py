@@ -487,3 +487,56 @@ def test_failed_write_leaves_nothing(adapter, ckpt, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         L.write_peft(adapter, ckpt.config, tmp_path / "d")
     assert only(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- late 2.x adapters (2.0.15)
+
+
+def _late_dict(qat_bits=4, qat_bits_map=None, seed=3) -> dict:
+    """The fixture as 2.0.15's finetune pickles it: its four keys, then qat_bits, qat_bits_map and seed."""
+    return {**_fixture_dict(), "qat_bits": qat_bits, "qat_bits_map": qat_bits_map, "seed": seed}
+
+
+@pytest.mark.parametrize("late", [dict(qat_bits=4, qat_bits_map=None, seed=3),
+                                  dict(qat_bits=None, qat_bits_map="default=2,embedding=4,attn.q_proj=3", seed=0),
+                                  dict(qat_bits=None, qat_bits_map=None, seed=0)])  # --qat-bits none
+def test_late_adapter_pickle_reads_and_writes_back_its_bytes(late, tmp_path):
+    src = tmp_path / "late.pkl"
+    src.write_bytes(pickle.dumps(_late_dict(**late), protocol=4))  # what 2.0.15's pickle.dump writes
+    adapter = L.read_upstream_adapter(src)
+    assert (adapter.qat_bits, adapter.qat_bits_map, adapter.seed) == tuple(late.values())
+    assert {k: L.describe(adapter)[k] for k in late} == late
+    out = L.write_upstream_adapter(adapter, tmp_path / "out.pkl")
+    assert out.read_bytes() == src.read_bytes()
+    assert list(pickle.loads(out.read_bytes())) == [*L.UPSTREAM_KEYS, *L.LATE_KEYS]
+
+
+def test_early_adapter_has_no_late_fields(adapter):
+    assert (adapter.qat_bits, adapter.qat_bits_map, adapter.seed, adapter.late) == (None, None, None, None)
+    assert {k: L.describe(adapter)[k] for k in L.LATE_KEYS} == dict.fromkeys(L.LATE_KEYS)
+
+
+def test_late_fields_survive_peft(ckpt, tmp_path):
+    src = tmp_path / "late.pkl"
+    src.write_bytes(pickle.dumps(_late_dict(qat_bits=2, seed=11), protocol=4))
+    d = L.write_peft(L.read_upstream_adapter(src), ckpt.config, tmp_path / "peft")
+    assert peft.PeftConfig.from_pretrained(d).r == 4  # PEFT still reads the directory
+    back = L.read_peft(d)
+    assert (back.qat_bits, back.qat_bits_map, back.seed) == (2, None, 11)
+    assert L.write_upstream_adapter(back, tmp_path / "back.pkl").read_bytes() == src.read_bytes()
+
+
+@pytest.mark.parametrize("late, message", [
+    (dict(qat_bits=5), "qat_bits is 5; expected None or a CQ width 2, 3 or 4"),
+    (dict(qat_bits=True), "qat_bits is True"),
+    (dict(qat_bits_map="default=9"), "qat_bits_map 'default=9' is not a bits map"),
+    (dict(qat_bits_map=4), "qat_bits_map is of type int"),
+    (dict(seed="0"), "seed is '0'; expected None or an integer"),
+])
+def test_bad_late_fields(late, message, ckpt, tmp_path):
+    src, dst = tmp_path / "bad.pkl", tmp_path / "out"
+    src.write_bytes(pickle.dumps(_late_dict(**late), protocol=4))
+    with pytest.raises(CheckpointError) as e:
+        L.write_peft(L.read_upstream_adapter(src), ckpt.config, dst)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert only(tmp_path) == ["bad.pkl"]
