@@ -38,7 +38,8 @@ def read(path: Path) -> Source:
         keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
         raise CheckpointError(f"{path}: an upstream checkpoint is a dict with 'params' and 'config', got {keys}")
     version = obj.get(VERSION_KEY)
-    family = next((f for f in registry.FAMILIES.values() if f.pickle_version == version), None)
+    families = [f for f in registry.FAMILIES.values() if f.pickle_version == version]
+    family = families[0] if families else None
     if family is None:
         known = ", ".join(f"{f.title}: {f.pickle_version}" for f in registry.FAMILIES.values())
         raise CheckpointError(f"{path}: format_version {version!r} is not one needle-twin reads ({known}); "
@@ -54,9 +55,10 @@ def read(path: Path) -> Source:
         config = config.state  # a pickled TransformerConfig: its __dict__, as upstream's __init__ left it
     tensors = {name: _leaf_ref(name, leaf, path) for name, leaf in flatten_tree(params).items()}
     others = {k: plain_value(v, f"{path}: {k}") for k, v in obj.items() if k not in ("params", "config", VERSION_KEY)}
+    # Needle 2 and Needle 3.0.0 both wrote format-v2 pickles: then the tensor names tell (convert.io).
+    named = family.name if version is not None and len(families) == 1 else None
     return Source(path, FORMAT, FLAX, tensors, plain_config(config, path) if config is not None else None,
-                  f"{path} ('config')", {}, lambda: file_sha256(path),
-                  family.name if version is not None else None, others)
+                  f"{path} ('config')", {}, lambda: file_sha256(path), named, others)
 
 
 def _leaf_ref(name: str, leaf: Any, path: Path) -> TensorRef:

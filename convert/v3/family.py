@@ -20,6 +20,8 @@ FAMILY = Family(
                                   sliding_window=8, engram_slots=64),
     groups=mapping.GROUPS,
     default_groups=mapping.DEFAULT_GROUPS,
+    pickle_version=2,  # cactus-needle 3.0.0 still wrote pickles for paths not ending in .safetensors
+    pickle_keys=("format_version", "params", "config", "step", "run"),
     safetensors_version="2",
     rung=ladder.rung,
     halve=ladder.halve,

@@ -145,3 +145,13 @@ def test_nothing_is_overwritten_without_force(tmp_path):
     assert r.returncode == 2 and "--force" in r.stderr and dst.read_bytes() == b"keep"
     cli_ok("convert", TINY, dst, "--to", "torch", "--force")
     assert io.read_checkpoint(dst).family.name == "v3"
+
+
+def test_a_300_style_pickle_is_read_as_needle3(tmp_path):
+    """cactus-needle 3.0.0 wrote format-v2 pickles, as Needle 2 does: the tensor names tell the family."""
+    pkl = tmp_path / "needle3.pkl"
+    cli_ok("convert", TINY, pkl)
+    ck, ref = io.read_checkpoint(pkl), io.read_checkpoint(TINY)
+    assert ck.family.name == "v3" and ck.config == ref.config and ck.extra == ref.extra
+    for k, v in flatten_tree(ref.params).items():
+        np.testing.assert_array_equal(flatten_tree(ck.params)[k], v, err_msg=k)
