@@ -42,6 +42,13 @@ class Golden:
         return key in self.arrays
 
     @property
+    def depth(self) -> int:
+        """The ladder depth of the exit, subnetwork and ladder goldens."""
+        if "depth" in self.arrays:
+            return int(self.arrays["depth"])
+        return int(self.meta["knobs"]["depth"])
+
+    @property
     def meta(self) -> dict:
         return json.loads(str(self.arrays["meta_json"])) if "meta_json" in self.arrays else {}
 
