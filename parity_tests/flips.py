@@ -14,7 +14,7 @@ quantiser's input; walks the calls in order; and keeps an affected-positions mas
 The outputs are then judged outside A at the unchanged budget (`masked_rel`). If A covers more than
 MAX_AFFECTED of the positions the comparison fails too: a bug must not hide behind flips.
 
-The core is framework-free (numpy); `trace_torch` and `trace_flax` record the calls of the Needle 3 twins
+The comparison works on numpy arrays; `trace_torch` and `trace_flax` record the calls of the Needle 3 twins
 without touching their files, by patching the quantiser each model module calls.
 
 Shapes: B batch, T length, D the quantised (last) axis; a call's input is (B, ..., T, D): rows on axis 0,
@@ -28,7 +28,14 @@ import dataclasses
 import re
 from collections.abc import Iterator, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from needle_flax.v3 import model as flax_model
+from needle_flax.v3 import quant as flax_quant
+from needle_torch.v3 import model as torch_model
+from needle_torch.v3 import quant as torch_quant
 
 # Margins are counted in units of the float32 spacing of x / scale at the top of the code range (ulp(qmax): 2^-17
 # of a step for A8), not of the element itself: the quantisers' inputs are sums over the row (matmuls, norms), so
@@ -190,8 +197,7 @@ def trace_torch(model) -> Iterator[list[Call]]:
     """Record every activation quantiser call (A8 activations, per-head q and A8 k/v) of the Needle 3 torch twin
     `model` inside the block; each call named by the innermost module running it. The model files are untouched:
     the `fake_quant_act` that needle_torch.v3.model and needle_torch.v3.quant imported is swapped for a recorder."""
-    from needle_torch.v3 import model as model_module
-    from needle_torch.v3 import quant as quant_module
+    model_module, quant_module = torch_model, torch_quant
 
     calls: list[Call] = []
     stack: list[str] = []
@@ -234,11 +240,7 @@ def trace_flax() -> Iterator[list[Call]]:
     from before has no callbacks); the list is complete once the outputs are ready (`jax.effects_barrier`).
     Sites are "act" or "qkv" only: inside the scan the layer is not known in Python (`compare` takes the torch
     side's names)."""
-    import jax
-    import jax.numpy as jnp
-
-    from needle_flax.v3 import model as model_module
-    from needle_flax.v3 import quant as quant_module
+    model_module, quant_module = flax_model, flax_quant
 
     calls: list[Call] = []
     patched = []

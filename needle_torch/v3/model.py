@@ -41,6 +41,7 @@ from needle_torch.layers import (
 )
 from needle_torch.pretrained import Pretrained
 from needle_torch.v2.lanes import fake_quant_act, rms_unit, sinkhorn
+from needle_torch.v3.generate import generate as generate_cached
 from needle_torch.v3.quant import head_weight, quant_kv, quant_query
 
 HASH_SEED = 0x9E3779B9  # table (oi, e) starts from SEED·(oi·σ + e + 1) mod 2^32
@@ -697,6 +698,11 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         """The router logits (B, 3) float32."""
         head = self._head("router_head")
         return head(*self._head_cells(tokens, quant, window, sink, exit_depth), quant=quant)
+
+    def generate(self, tokens: Tensor, max_new_tokens: int = 64, **options):
+        """Cached generation from left-padded prompts (B, P): the new tokens (B, max_new_tokens), greedy by default;
+        options (layers, kv_window, temperature, seed, eos/pad ids, returns, streamer): needle_torch.v3.generate."""
+        return generate_cached(self, tokens, max_new_tokens, **options)
 
 
 __all__ = [

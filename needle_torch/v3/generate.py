@@ -1,0 +1,390 @@
+"""Cached generation for the Needle 3 torch twin (`SimpleAttentionNetwork.generate` calls this), and the reference.
+
+Upstream removed its cached decoder with Needle 3: `run.generate` re-runs the whole PAD-filled buffer for every
+token (NEEDLE_V3.md §6). `generate_recompute` is that loop, the reference; `generate` computes the same function
+from a cache holding Needle 3's state, so each step feeds one token:
+- per layer, K (after k_norm and RoPE) and V in a ring of C slots: C = min(M, sliding_window) on local layers
+  (a query there sees itself and w - 1 earlier keys, §3.5), C = min(M, kv_window) on global layers, kv_window
+  defaulting to upstream's `config.effective_kv_window` (the deploy cache's bound; the whole context whenever
+  M fits in it, which is every test here);
+- per layer, the last τ - 1 rows of projected q, k and v before the conv (§3.2: the conv runs on projected
+  channels before the norms and RoPE; tap j >= 1 reads position t - j where the layer's mask lets t see it,
+  tap 0 always);
+- the buffer's tokens and validity: the engram (§3.4) at a position reads W = (max(O) - 1) + 3·max(O) tokens
+  back (its n-grams, and the value rows its dilated taps read with theirs), so each step runs the forward's
+  own `_engram_kv` on that short window.
+The forward's own submodules (projections, norms, the Monarch MLP, the engram) do the arithmetic; this file only
+composes them around the cache, in the forward's order of operations.
+
+Contract (Needle 2's, shared with needle_flax.v3.generate): prompts (B, P) left-padded with pad_token_id, valid
+from each row's first non-pad token on, the mask (causal ∧ valid) ∨ diagonal (plain causal for unpadded
+prompts, run.py's); greedy or seeded sampling; each row stops at its first EOS (kept) and holds pad_token_id
+after it; streaming; per-step logits and log-probabilities on request. RoPE reads absolute buffer positions.
+
+Shapes: B batch, P prompt length (padded), G = max_new_tokens, M = P + G buffer positions, S tokens fed in one
+call, C ring slots, Z leading buffer columns before position 0, D d_model, H heads, K kv heads, hq qk head dim,
+hv v head dim, n mHC lanes, N engram tables, V_out output vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from convert.errors import GenerationError
+from convert.v2.generation import check_generate_args, prompt_validity
+from convert.v3.config import ENGRAM_TAPS, EOS_ID, PAD_ID
+from convert.v3.ladder import ladder_layer_ranks
+from needle_torch.layers import apply_rope, make_causal_mask, repeat_kv
+from needle_torch.v2.generate import Streamer, _loop, _Sampler, pick
+from needle_torch.v2.lanes import rms_unit, sinkhorn
+
+# The model file imports this one (its `generate` method), so nothing here imports it back: the forward's pieces
+# are reached through the model instance (submodules and its _rope, _input_embeddings, _engram_kv, _logits), and the
+# few lines of its module-level arithmetic that decoding needs are restated below, each naming its original.
+F32_MIN = torch.finfo(torch.float32).min  # model.F32_MIN: the non-flash masked logit
+FLASH_NEG = -0.7 * torch.finfo(torch.float32).max  # model.FLASH_NEG: jax.nn.dot_product_attention's masked logit
+
+
+def _sigmoid(x: Tensor) -> Tensor:
+    """model._sigmoid: torch's in float32; in bf16/f16 1 / (1 + exp(-x)) rounded after every op, as XLA:CPU."""
+    return torch.sigmoid(x) if x.dtype == torch.float32 else 1 / (1 + torch.exp(-x))
+
+
+def _lane_offsets(lane: int, n: int, device=None) -> tuple[Tensor, Tensor]:
+    """model._lane_offsets: (pre_off, post_off) (n,) float32, +4 / 0 on lane `lane`, -4 on the others."""
+    one_hot = (torch.arange(n, device=device) == lane).float()  # (n,)
+    return 8 * one_hot - 4, -4 * (1 - one_hot)
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+@dataclass
+class LayerCache:
+    """One layer's state: K, V in a ring of C slots and the last τ - 1 projected q, k, v rows before the conv."""
+
+    k: Tensor  # (B, K, C, hq) after k_norm and RoPE, in dt
+    v: Tensor  # (B, K, C, hv) in dt
+    slot_pos: Tensor  # (C,) int64: the buffer position each slot holds, -1 while empty
+    window: int  # a query at q sees keys with q - k < window (0: every earlier key)
+    rows: tuple[Tensor, Tensor, Tensor] | None  # (B, τ - 1, H·hq), (B, τ - 1, K·hq), (B, τ - 1, K·hv); None: τ = 0
+    lane: int  # this layer's lane in its stream: l mod n, or its position among a rung's layers mod n
+
+
+@dataclass
+class DecodeCache:
+    """One request's state for M buffer positions. tokens/valid hold Z leading zeros/False so that a look back
+    before position 0 is a slice (position p is column Z + p)."""
+
+    layers: list[LayerCache | None]  # None: a layer the rung skips
+    tokens: Tensor  # (B, Z + M) int64: the engram's token history (it rebuilds its n-grams and value rows)
+    valid: Tensor  # (B, Z + M) bool: upstream's validity, False before position 0
+    cos: Tensor  # (M, hq/2)
+    sin: Tensor  # (M, hq/2)
+    lead: int  # Z
+
+
+def _engram_history(config) -> int:
+    """W: the tokens before a position that its engram key and value read: max(O) - 1 for its n-grams, then 3·max(O)
+    more for the value rows of its dilated taps and their n-grams (0 without sites)."""
+    if not config.engram_layers:
+        return 0
+    return max(config.engram_orders) - 1 + (ENGRAM_TAPS - 1) * config.engram_dilation
+
+
+def _lead(config) -> int:
+    """Z: the deepest look back before a position: a conv tap or the engram's token history."""
+    return max(1, config.qkv_conv_taps - 1, _engram_history(config))
+
+
+def _layer_plan(config, max_len: int, kv_window: int | None, layers: int | None) -> list[tuple[int, int, int] | None]:
+    """Per layer (window, ring slots C, lane), or None for a layer rung `layers` skips. window: keys q - k < window
+    (0: all); local layers the sliding window, global ones kv_window (None: config.effective_kv_window) where the
+    buffer is longer. lane: l mod n, or on a rung the layer's position among the rung's layers mod n."""
+    bound = config.effective_kv_window if kv_window is None else kv_window
+    plan, position = [], 0
+    for i, active in enumerate(_active_layers(config, layers)):
+        if not active:
+            plan.append(None)
+            continue
+        local = config.sliding_window and i not in config.global_layers
+        window = config.sliding_window if local else (bound if bound < max_len else 0)
+        plan.append((window, min(max_len, window or max_len), (i if layers is None else position) % config.mhc_lanes))
+        position += 1
+    return plan
+
+
+def new_cache(model: nn.Module, batch: int, max_len: int, valid: Tensor | None = None, kv_window: int | None = None,
+              layers: int | None = None) -> DecodeCache:
+    """An empty DecodeCache for `batch` rows and max_len positions. valid (B, max_len) bool (None: all True);
+    kv_window bounds the global layers' ring (None: config.effective_kv_window); layers: decode rung d only."""
+    cfg, device = model.config, model.embedding.weight.device
+    dt = model.stack.compute_dtype
+    H, K, tau = cfg.num_heads, cfg.num_kv_heads, cfg.qkv_conv_taps
+    hq, hv = cfg.head_dims
+    slots = []
+    for spec in _layer_plan(cfg, max_len, kv_window, layers):
+        if spec is None:
+            slots.append(None)
+            continue
+        window, C, lane = spec
+        rows = None if not tau else tuple(torch.zeros(batch, tau - 1, c, dtype=dt, device=device)
+                                          for c in (H * hq, K * hq, K * hv))
+        slots.append(LayerCache(torch.zeros(batch, K, C, hq, dtype=dt, device=device),
+                                torch.zeros(batch, K, C, hv, dtype=dt, device=device),
+                                torch.full((C,), -1, dtype=torch.long, device=device), window, rows, lane))
+    Z = _lead(cfg)
+    valid = torch.ones(batch, max_len, dtype=torch.bool, device=device) if valid is None else valid.to(device)
+    cos, sin = model._rope(max_len, device)
+    return DecodeCache(slots, torch.zeros(batch, Z + max_len, dtype=torch.long, device=device),
+                       F.pad(valid, (Z, 0), value=False), cos, sin, Z)
+
+
+def _active_layers(config, layers: int | None) -> list[bool]:
+    """Which layers run: all, or rung d's (ladder rank < d, subnetwork_only's stream)."""
+    if layers is None:
+        return [True] * config.num_layers
+    if not 2 <= layers <= config.num_layers:
+        raise GenerationError(f"layers={layers!r} is not a ladder rung of this {config.num_layers}-layer model; "
+                              f"use a depth in [2, {config.num_layers}] (or None for the full model)")
+    return [r < layers for r in ladder_layer_ranks(config)]
+
+
+def _seen(cache: DecodeCache, positions: Tensor, back: int) -> Tensor:
+    """(B, S) bool: may a query at `positions` see position - back under (causal ∧ valid) ∨ diagonal?"""
+    if back == 0:  # the diagonal: always (tap 0 is never masked, an order-1 n-gram always valid)
+        return torch.ones(cache.valid.shape[0], positions.shape[0], dtype=torch.bool, device=positions.device)
+    return cache.valid[:, cache.lead + positions - back]
+
+
+# ----------------------------------------------------------------------------- one cached step
+
+
+def _conv_step(z: Tensor, taps: Tensor, rows: Tensor, tap_ok: list[Tensor | None]) -> tuple[Tensor, Tensor]:
+    """model.conv_taps on the chunk z (B, S, C) behind the cached rows (B, τ - 1, C), in its order of operations:
+    Σ_j taps[j] ⊙ (z[t - j]·ok_j[t]), tap 0 unmasked. (output (B, S, C), the new rows)."""
+    S, lead = z.shape[1], rows.shape[1]
+    ext = torch.cat([rows, z], dim=1)  # (B, τ - 1 + S, C)
+    out = 0
+    for j in range(taps.shape[0]):
+        shifted = ext[:, lead - j:lead - j + S]  # z[t - j] for the chunk's rows
+        if j:
+            shifted = shifted * tap_ok[j]
+        out = out + taps[j] * shifted
+    return out, ext[:, S:]
+
+
+def _attend(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """The forward's attention arithmetic (MultiHeadAttention.forward, flash or not) on q (B, H, S, hq) over keys
+    k (B, K, C', hq), v (B, K, C', hv) with mask (B, 1, S, C') -> (B, S, H·hv)."""
+    B, H, S, hq = q.shape
+    hv = v.shape[-1]
+    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])  # (B, H, C', hq), (B, H, C', hv)
+    if attn.flash:
+        Fd = max(hq, hv)
+        qf = q * torch.tensor(math.sqrt(Fd / hq), dtype=q.dtype)
+        qf, kf, vf = F.pad(qf, (0, Fd - hq)), F.pad(k, (0, Fd - hq)), F.pad(v, (0, Fd - hv))  # (B, H, ·, F)
+        logits = qf.float() @ kf.float().transpose(-1, -2)  # (B, H, S, C')
+        logits = logits * torch.tensor(1 / math.sqrt(Fd), dtype=torch.float32)
+        out = logits.masked_fill(~mask, FLASH_NEG).softmax(dim=-1).to(vf.dtype) @ vf  # (B, H, S, F)
+        return out[..., :hv].transpose(1, 2).reshape(B, S, H * hv)  # (B, S, H·hv)
+    logits = (q @ k.transpose(-1, -2)).float() / torch.sqrt(torch.tensor(hq, dtype=torch.float32))  # (B, H, S, C')
+    out = logits.masked_fill(~mask, F32_MIN).softmax(dim=-1) @ v.float()  # (B, H, S, hv)
+    return out.transpose(1, 2).reshape(B, S, H * hv)  # (B, S, H·hv)
+
+
+def _attention_step(attn: nn.Module, x: Tensor, lc: LayerCache, cache: DecodeCache, positions: Tensor) -> Tensor:
+    """MultiHeadAttention.forward for the chunk x (B, S, D) at `positions`, over this layer's ring and the chunk's
+    own keys; writes the chunk into the ring and the conv rows."""
+    B, S, _ = x.shape
+    H, K, hq, hv, dt = attn.num_heads, attn.num_kv_heads, attn.hq, attn.hv, attn.compute_dtype
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)  # (B, S, H·hq), (B, S, K·hq), (B, S, K·hv)
+    if lc.rows is not None:
+        # tap j >= 1 reads t - j where this layer's mask lets t see it: valid, and within the window
+        tap_ok = [None] + [(_seen(cache, positions, j) & (not lc.window or j < lc.window))[..., None].to(q.dtype)
+                           for j in range(1, attn.config.qkv_conv_taps)]  # (B, S, 1) each
+        convs = [_conv_step(z, taps.to(dt), rows, tap_ok)
+                 for z, taps, rows in zip((q, k, v), (attn.q_taps, attn.k_taps, attn.v_taps), lc.rows, strict=True)]
+        (q, qr), (k, kr), (v, vr) = convs
+        lc.rows = (qr, kr, vr)
+    q = q.reshape(B, S, H, hq).transpose(1, 2)  # (B, H, S, hq)
+    k = k.reshape(B, S, K, hq).transpose(1, 2)  # (B, K, S, hq)
+    v = v.reshape(B, S, K, hv).transpose(1, 2)  # (B, K, S, hv)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    rope = cache.cos[positions], cache.sin[positions]  # (S, hq/2) each
+    q, k = apply_rope(q, *rope).to(q.dtype), apply_rope(k, *rope).to(k.dtype)
+
+    keys = torch.cat([lc.slot_pos, positions])  # (C + S,): the ring, then the chunk
+    back = positions[:, None] - keys[None, :]  # (S, C + S)
+    ok = (keys >= 0) & (back >= 0) & cache.valid[:, cache.lead + keys.clamp(min=0)][:, None, :]  # (B, S, C + S)
+    if lc.window:
+        ok = ok & (back < lc.window)
+    mask = (ok | (back == 0))[:, None]  # (B, 1, S, C + S)
+    out = _attend(attn, q, torch.cat([lc.k, k], dim=2), torch.cat([lc.v, v], dim=2), mask)  # (B, S, H·hv)
+
+    C = lc.slot_pos.shape[0]  # the chunk's last C positions go into slots position mod C
+    kept = positions[-C:]
+    lc.k[:, :, kept % C], lc.v[:, :, kept % C], lc.slot_pos[kept % C] = k[:, :, -C:], v[:, :, -C:], kept
+    out = out * _sigmoid(attn.gate_proj(x))
+    return attn.out_proj(out)
+
+
+def _block_step(block: nn.Module, x: Tensor, attention: Callable[[Tensor], Tensor],
+                engram_kv: tuple[Tensor, Tensor] | None, site_flags: Tensor | None) -> Tensor:
+    """Block.forward with attention(x) (the cached one) in place of self_attn."""
+    if engram_kv is not None:
+        ek, ev = engram_kv
+        alpha = torch.sigmoid(torch.einsum("btd,sbtd->sbt", rms_unit(x), rms_unit(ek)) / math.sqrt(x.shape[-1]))
+        x = x + torch.einsum("s,sbt,sbtd->btd", site_flags, alpha, ev.float()).to(x.dtype)  # (B, S, D)
+    skip = x
+    x = attention(block.pre_attn_norm(x))
+    x = skip + _sigmoid(block.attn_gate).to(block.compute_dtype) * block.post_attn_norm(x)
+    return x + block.hadamard_mlp(block.pre_hada_norm(x))
+
+
+def _layer_step(layer: nn.Module, lanes: Tensor, offsets: tuple[Tensor, Tensor], attention: Callable[[Tensor], Tensor],
+                engram_kv: tuple[Tensor, Tensor] | None, site_flags: Tensor | None) -> Tensor:
+    """MHCLayer.forward (no quant) with the cached block: lanes (B, S, n, D) in dt -> the new lanes."""
+    B, S, n, D = lanes.shape
+    pre_off, post_off = offsets
+    xf = lanes.float()
+    nx = rms_unit(lanes.reshape(B, S, n * D))  # (B, S, n·D) float32
+    hpre = torch.sigmoid(layer.a_pre * F.linear(nx, layer.phi_pre.weight.float()) + layer.b_pre + pre_off)
+    u = torch.einsum("btn,btnc->btc", hpre, xf).to(layer.compute_dtype)  # (B, S, D)
+    y = _block_step(layer.block, u, attention, engram_kv, site_flags) - u
+    hpost = 2 * torch.sigmoid(layer.a_post * F.linear(nx, layer.phi_post.weight.float()) + layer.b_post + post_off)
+    res = F.linear(nx, layer.phi_res.weight.float())  # (B, S, n·n)
+    hres = sinkhorn(layer.a_res * res.reshape(B, S, n, n) + layer.b_res)  # (B, S, n, n)
+    return (torch.einsum("btij,btjc->btic", hres, xf)
+            + hpost[..., None] * y.float()[:, :, None, :]).to(layer.compute_dtype)  # (B, S, n, D)
+
+
+def _engram_step(model: nn.Module, cache: DecodeCache, positions: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Every site's (key, value) for the chunk, each (G, B, S, D): the forward's own `_engram_kv` on the chunk behind
+    its token history of W = (max(O) - 1) + 3·max(O) positions (the oldest value row its dilated taps read, and that
+    row's oldest n-gram token), under (causal ∧ valid) ∨ diagonal as the forward's full mask. Exact: no row kept
+    reads past the window's start, and the positions before 0 are invalid zeros, as the forward's zero fill."""
+    if not len(model.engrams):
+        return None
+    S, start, W = positions.shape[0], int(positions[0]), _engram_history(model.config)
+    window = slice(cache.lead + start - W, cache.lead + start + S)
+    valid = cache.valid[:, window]  # (B, W + S)
+    T = W + S
+    causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()  # (T, T)
+    mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=valid.device))[:, None]  # (B, 1, T, T)
+    keys, values = model._engram_kv(cache.tokens[:, window], mask, False)  # (G, B, W + S, D) each
+    return keys[:, :, W:], values[:, :, W:]
+
+
+def decode_step(model: nn.Module, tokens: Tensor, cache: DecodeCache, pos: int, last_only: bool = False) -> Tensor:
+    """Feed tokens (B, S) at buffer positions pos..pos + S - 1 (pos 0 with the prompts: the prefill; then one token
+    a step), updating the cache: float32 logits (B, S, V_out), or (B, 1, V_out) with last_only."""
+    cfg = model.config
+    B, S = tokens.shape
+    positions = torch.arange(pos, pos + S, device=tokens.device)  # (S,)
+    cache.tokens[:, cache.lead + pos:cache.lead + pos + S] = tokens
+    engram_kv = _engram_step(model, cache, positions)
+    x = model._input_embeddings(tokens)  # (B, S, D)
+    lanes = x.to(model.stack.compute_dtype)[:, :, None, :].expand(B, S, cfg.mhc_lanes, cfg.d_model)  # (B, S, n, D)
+    for i, (layer, lc) in enumerate(zip(model.stack.layers, cache.layers, strict=True)):
+        if lc is None:
+            continue
+        flags = torch.tensor([float(site == i) for site in cfg.engram_layers], device=x.device)  # (G,)
+        attention = functools.partial(_attention_step, layer.block.self_attn, lc=lc, cache=cache, positions=positions)
+        lanes = _layer_step(layer, lanes, _lane_offsets(lc.lane, cfg.mhc_lanes, x.device), attention, engram_kv,
+                            flags)
+    x = model.stack.final_norm(lanes.mean(dim=2))  # (B, S, D)
+    return model._logits(x[:, -1:] if last_only else x, False)
+
+
+# ----------------------------------------------------------------------------- the loops
+
+
+def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, layers, temperature, seed, eos_token_id,
+             pad_token_id) -> tuple[Tensor, Tensor, _Sampler, int]:
+    """Checked inputs on the model's device: (prompts (B, P) int64, valid (B, M), sampler, eos id (-1: none))."""
+    cfg = model.config
+    prompts = check_generate_args(cfg, tokens, max_new_tokens, 0, None, temperature, seed, eos_token_id,
+                                  pad_token_id)
+    if kv_window is not None and (isinstance(kv_window, bool) or not isinstance(kv_window, int) or kv_window < 1):
+        raise GenerationError(f"kv_window must be None (config.effective_kv_window) or an integer >= 1, got "
+                              f"{kv_window!r}")
+    _active_layers(cfg, layers)
+    device = model.embedding.weight.device
+    valid = F.pad(torch.from_numpy(prompt_validity(prompts, pad_token_id)), (0, int(max_new_tokens)), value=True)
+    sampler = _Sampler(float(temperature), seed, (prompts.shape[0], cfg.output_vocab), device)
+    eos = -1 if eos_token_id is None else int(eos_token_id)
+    return torch.from_numpy(prompts).to(device), valid.to(device), sampler, eos
+
+
+@torch.inference_mode()
+def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int | None = None,
+             kv_window: int | None = None, temperature: float = 0.0, seed: int | None = None,
+             eos_token_id: int | None = EOS_ID, pad_token_id: int = PAD_ID, return_logits: bool = False,
+             return_logprobs: bool = False, streamer: Streamer | None = None):
+    """Cached generation: the new tokens LongTensor (B, max_new_tokens), plus (logits, logprobs) on request.
+
+    tokens: (B, P) prompts (BOS included), left-padded with pad_token_id; P + max_new_tokens <= max_seq_len.
+    One prefill pass over the prompts, then one token a step over the cache, in the model's dtype and on its
+    device. layers: decode on ladder rung d (the layers of rank < d, `subnetwork_only` with exit_depth=d).
+    kv_window: the global layers' ring (None: config.effective_kv_window, upstream's deploy bound); where the
+    buffer is longer, a global layer sees its last kv_window positions. temperature 0 is greedy (argmax, ties to
+    the first index); above 0 categorical(logits / T) from a torch.Generator seeded with `seed` (torch's stream,
+    not JAX's: sampled tokens follow upstream's distribution, not its draws). Each row stops at its first
+    eos_token_id (kept; None: never) and holds pad_token_id after it. return_logits: the float32 logits
+    (B, steps, V_out) each token came from; return_logprobs: the chosen tokens' log-probabilities (B, steps), 0
+    after a row's EOS. streamer: called with each step's (B,) tokens on the CPU."""
+    prompts, valid, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, layers, temperature, seed,
+                                            eos_token_id, pad_token_id)
+    B, P = prompts.shape
+    G, device = int(max_new_tokens), prompts.device
+    cache = new_cache(model, B, P + G, valid, kv_window, layers)
+    prefill = decode_step(model, prompts, cache, 0, last_only=True)[:, 0]  # (B, V_out): chooses token 0
+    eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
+
+    def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):
+        # token t - 1 goes in at position P + t - 1; its logits choose token t
+        logits = prefill if t == 0 else decode_step(model, out[:, t - 1:t], cache, P + t - 1)[:, 0]
+        return (logits, *pick(logits, done, eos_t, pad_t, noise, sampler.inv_temp))
+
+    return _loop(advance, sampler, B, G, device, eos, pad_token_id, streamer, return_logits, return_logprobs)
+
+
+@torch.inference_mode()
+def generate_recompute(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int | None = None,
+                       temperature: float = 0.0, seed: int | None = None, eos_token_id: int | None = EOS_ID,
+                       pad_token_id: int = PAD_ID, return_logits: bool = False, return_logprobs: bool = False,
+                       streamer: Streamer | None = None):
+    """Upstream's run.py loop, the reference: the forward on the PAD-filled buffer (B, P + G) re-run for every new
+    token, the logits read at the current position; with layers=d the rung's `subnetwork_only` logits. Same
+    contract and results as `generate` (no kv_window: run.py has none). The mask is causal, and for left-padded
+    rows (causal ∧ valid) ∨ diagonal, so pad keys stay unseen."""
+    prompts, valid, sampler, eos = _prepare(model, tokens, max_new_tokens, None, layers, temperature, seed,
+                                            eos_token_id, pad_token_id)
+    B, P = prompts.shape
+    G, device = int(max_new_tokens), prompts.device
+    M = P + G
+    buf = F.pad(prompts, (0, G), value=pad_token_id)  # (B, M)
+    causal = make_causal_mask(M, device)  # (1, 1, M, M)
+    eye = torch.eye(M, dtype=torch.bool, device=device)[None, None]  # (1, 1, M, M)
+    mask = causal if bool(valid.all()) else (causal & valid[:, None, None, :]) | eye  # (B|1, 1, M, M)
+    rung = {} if layers is None else {"exit_depth": layers, "subnetwork_only": True}
+    eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
+
+    def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):
+        if t:
+            buf[:, P + t - 1] = out[:, t - 1]
+        logits = model(buf, mask, **rung)[:, P - 1 + t]  # (B, V_out) float32
+        return (logits, *pick(logits, done, eos_t, pad_t, noise, sampler.inv_temp))
+
+    return _loop(advance, sampler, B, G, device, eos, pad_token_id, streamer, return_logits, return_logprobs)
+
+
+__all__ = ["DecodeCache", "LayerCache", "decode_step", "generate", "generate_recompute", "new_cache"]
