@@ -28,6 +28,6 @@ from needle_torch.v3.quant import cq_quantize, head_weight, quant_kv, quant_quer
 __all__ = [
     "Block", "ConfidenceHead", "EmbeddingHead", "Engram", "HadamardMLP", "HeadProjection", "MHCLayer",
     "MultiHeadAttention", "ProbeHead", "RouterHead", "SimpleAttentionNetwork", "Stack", "TransformerConfig",
-    "conv_taps", "cq_quantize", "engram_indices", "generate", "generate_recompute", "head_weight", "kron_apply", "make_window_mask", "mask_diag",
-    "probe_pool", "quant_kv", "quant_query", "shift_right",
+    "conv_taps", "cq_quantize", "engram_indices", "generate", "generate_recompute", "head_weight", "kron_apply",
+    "make_window_mask", "mask_diag", "probe_pool", "quant_kv", "quant_query", "shift_right",
 ]
