@@ -378,8 +378,8 @@ def rescore_command(
     Without options a parity report gets its own profile again. Exit code 0 / 1 / 2 as for `parity` and `quant`.
     """
     if _report_schema(report_path) == "needle-twin/quant-report":
-        from parity_tests import quant
-        from parity_tests.quant_report import render_terminal, verdict_text
+        from parity_tests.v2 import quant
+        from parity_tests.v2.quant_report import render_terminal, verdict_text
 
         if any(v is not None for v in (profile, rtol, atol, kl_max, grad_rtol)):
             raise NeedleTwinError("--profile, --rtol, --atol, --kl-max and --grad-rtol re-judge parity reports; a "
@@ -445,8 +445,8 @@ def quant_command(
     layers and tensors that cost most (each layer quantised alone; per-tensor SQNR). torch only, no JAX.
 
     Exit code 0, or 1 when a --max-kld / --min-top1 threshold fails, 2 on bad input."""
-    from parity_tests import quant
-    from parity_tests.quant_report import render_terminal, verdict_text
+    from parity_tests.v2 import quant
+    from parity_tests.v2.quant_report import render_terminal, verdict_text
 
     report = quant.quant(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed,
                          steps=steps, lora=lora, json_path=json_path, html_path=html_path, force=force,
@@ -546,14 +546,14 @@ def _generate_v1(checkpoint, tokens, query, tools, tokenizer, backend, max_new_t
 
     tok = None
     if tokenizer is not None:
-        from convert.tokenizer import load_tokenizer
+        from convert.v1.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer)
     if tok is not None and tok.get_piece_size() > checkpoint.config.vocab_size:
         raise GenerationError(f"{tokenizer} has {tok.get_piece_size()} pieces but the model's vocabulary has "
                               f"{checkpoint.config.vocab_size}; use the tokenizer this model was trained with")
     if query is not None:
-        from convert.tokenizer import build_encoder_input, check_tools_json
+        from convert.v1.tokenizer import build_encoder_input, check_tools_json
 
         src_ids = build_encoder_input(tok, query, check_tools_json(tools or "[]"), max_len=max_enc_len)
     else:
@@ -569,7 +569,7 @@ def _generate_v1(checkpoint, tokens, query, tools, tokenizer, backend, max_new_t
         if tok is None:
             sys.stdout.write(f"{token} ")
         else:
-            from convert.tokenizer import decode_tokens
+            from convert.v1.tokenizer import decode_tokens
 
             text = decode_tokens(tok, generated)
             # Print only what is new: SentencePiece joins pieces, so a piece decoded alone can lose its space.

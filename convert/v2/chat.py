@@ -6,7 +6,7 @@ caller prepends BOS itself. The model is decoder-only, so a prompt is the render
 `<|im_start|>assistant\\n`, and the model continues with `<think>…</think>\\n<tool_call>[…]</tool_call><|im_end|>`.
 
 Upstream hard-codes PAD/EOS/BOS/UNK at 0–3 and the ten chat markers at 4–13; `check_tokenizer` refuses a
-SentencePiece model that puts them elsewhere. sentencepiece is imported lazily by `convert.tokenizer`.
+SentencePiece model that puts them elsewhere. sentencepiece is imported lazily by `convert.sentencepiece`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convert.errors import GenerationError, TokenizerError, one_line
-from convert.tokenizer import decode_tokens, load_tokenizer
+from convert.sentencepiece import decode_tokens, load_tokenizer
 from convert.v2.config import BOS_ID, EOS_ID, MARKER_IDS, PAD_ID, UNK_ID
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

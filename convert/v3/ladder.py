@@ -31,7 +31,7 @@ def bisection_order(num_layers: int) -> tuple[int, ...]:
     order = list(selected)
     while len(order) < num_layers:
         selected.sort()
-        _, left, right = max(((r - l, l, r) for l, r in zip(selected, selected[1:]) if r - l > 1),
+        _, left, right = max(((hi - lo, lo, hi) for lo, hi in zip(selected, selected[1:], strict=False) if hi - lo > 1),
                              key=lambda gap: (gap[0], -gap[1]))
         selected.append((left + right) // 2)
         order.append((left + right) // 2)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.tokenizer import build_encoder_input, load_tokenizer
 from convert.v1.config import EOS_ID, FIRST_PLAIN_ID, TransformerConfig
+from convert.v1.tokenizer import build_encoder_input, load_tokenizer
 from parity_tests.inputs import (
     Batch,
     InputError,

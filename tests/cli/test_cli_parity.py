@@ -223,7 +223,7 @@ def test_tokenizer_text_inputs(tmp_path):
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     assert report["inputs"]["batch"] == 2 and report["inputs"]["source"].startswith("text via")
-    from convert.tokenizer import build_encoder_input, load_tokenizer
+    from convert.v1.tokenizer import build_encoder_input, load_tokenizer
 
     tok = load_tokenizer(f"{prefix}.model")
     want = build_encoder_input(tok, "weather in city 3", '[{"name": "weather"}]')
