@@ -25,8 +25,6 @@ from parity_tests.inputs import (
     varied_lengths,
 )
 
-LENGTHS = {"src_len": 64, "tgt_len": 32}  # the random batch's default lengths
-
 
 def _ids(rng: np.random.Generator, shape: tuple[int, ...], config: TransformerConfig) -> np.ndarray:
     return plain_ids(rng, shape, config.vocab_size, config.pad_token_id, FIRST_PLAIN_ID)
