@@ -121,7 +121,7 @@ def test_the_direct_computation_itself():
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """One intra-op thread for this module: the tiny model's matmuls are microseconds, and on a busy 2-core machine
-    torch's thread pool made every one of them ~10 ms (the module took 150 s instead of ~20 s)."""
+    torch's thread pool costs far more than they do."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -237,7 +237,7 @@ def test_embedded_default_runs_as_the_readme_says(tmp_path):
     r = run_cli("parity", "--json", out, "--no-grads", "--generate", "2", timeout=PROCESS_TIMEOUT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["num_params"] == 45_211_383 and report["passed"] is True  # issue 11's count with both heads
+    assert report["num_params"] == 45_211_383 and report["passed"] is True  # the published count with both heads
     assert report["model"]["family"] == "v2"
     assert report["model"]["seed"] == 0 and report["environment"]["seeds"] == {"inputs": 0, "model": 0}
     assert report["generation"]["steps_compared"] == 2
