@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from convert.errors import TokenizerError
-from convert.tokenizer import build_encoder_input, decode_tokens, load_tokenizer
+from convert.v1.tokenizer import build_encoder_input, decode_tokens, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 CKPT = REPO / "tests" / "data" / "needle-v1-tiny.pkl"
