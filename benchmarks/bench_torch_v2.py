@@ -13,7 +13,8 @@ the step that ran (kernels, torch.compile or eager):
                 graph is already there, so this is the prefill's compile alone)
   % of bound    tokens/s against the memory-bandwidth bound: bytes a step must read (weights in their dtype,
                 the tied embedding, the engram projections, the K/V cache over the mean attended length)
-                / the copy bandwidth measured in the same process (2 x bytes / time of a 256 MiB copy_)
+                / the copy bandwidth measured in the same process (2 x bytes / time of a 256 MiB copy_ into a
+                preallocated, already written buffer: benchmarks/bandwidth.py)
   x upstream    against upstream's own figures on the 2-core AVX2 machine (issue 14; upstream decodes in float32),
                 like for like: decode tok/s against decode tok/s (decode.py's loop 12.1 tok/s at batch 1, the
                 batched rollout's steps 69 tok/s at batch 32), end to end against end to end (batch 1: 64 tokens
@@ -32,14 +33,13 @@ units; =upcast: float32 kernels on upcast operands; auto: neither forced, each k
 needle_torch.kernels.bf16_path() picks there), each process printing the path that ran. --kinds runs one kind only
 (--kinds avx2 --bf16-paths auto: the AVX2-only CPU as generation would run there). --f32-paths forces the float32
 products of compiled graphs through oneDNN or the library (MKL), one process each, beside the path
-needle_torch.kernels.f32_path() picks by the CPU's vendor. --heaps kept system runs each cell set with glibc's heap
-thresholds fixed (kernels.keep_heap, what generation does) and left alone. --v1 adds Needle v1's torch cells from
+needle_torch.kernels.f32_path() picks by the CPU's vendor. --v1 adds Needle v1's torch cells from
 benchmarks/bench_generate.py (bf16 encode latency, compiled batch-1 decode end to end) on the same grid. Each
 process prints the CPU features it found and the paths that ran.
 
 Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
        [--modes eager compiled compiled-all traced] [--bf16-paths native upcast auto] [--f32-paths onednn library]
-       [--heaps kept system] [--kinds this avx2] [--no-emulate] [--v1] [--new-tokens 64]
+       [--kinds this avx2] [--no-emulate] [--v1] [--new-tokens 64]
        [--prompt-len 256] [--upstream loop_b1=14.5 prefill_ms=267 ...]
 Run on an otherwise idle machine: the load average is printed before and after every process (2 shared cores:
 a busy neighbour makes multi-threaded figures meaningless).
@@ -48,7 +48,6 @@ a busy neighbour makes multi-threaded figures meaningless).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -64,6 +63,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 from convert.mapping import random_flax_params  # noqa: E402
 from convert.v1.config import NEEDLE_V1_PUBLISHED, SPECIAL_IDS  # noqa: E402
 from convert.v2 import NEEDLE_V2_PUBLISHED  # noqa: E402
@@ -72,12 +72,10 @@ from needle_torch import cpu_decode  # noqa: E402
 from needle_torch.kernels import (  # noqa: E402
     BF16_PATH_ENV,
     F32_PATH_ENV,
-    HEAP_ENV,
     bf16_path,
     cpu_flags,
     decide_bf16_path,
     f32_path,
-    keep_heap,
 )
 from needle_torch.v1.generate import generate as generate_v1  # noqa: E402
 from needle_torch.v1.model import SimpleAttentionNetwork as ModelV1  # noqa: E402
@@ -129,14 +127,6 @@ def upstream_rates(batch: int, new: int) -> tuple[float, float]:
     if batch == 1:
         return UPSTREAM["loop_b1"], new / (UPSTREAM["prefill_ms"] / 1e3 + (new - 1) / UPSTREAM["loop_b1"])
     return UPSTREAM["steps_b32"], UPSTREAM["rollout_b32"]
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s (read + write) of a 256 MiB torch copy_, best of 5."""
-    a = torch.ones(64 * 2**20)
-    b = torch.empty_like(a)
-    best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
-    return 2 * a.numel() * 4 / best
 
 
 def _timed(fn) -> float:
@@ -219,7 +209,7 @@ def child(args) -> None:
                             torch.backends.cpu.get_cpu_capability())
     out = {"load_before": os.getloadavg(), "path": path.name, "reason": path.reason, "auto": str(auto),
            "features": list(path.features), "capability": torch.backends.cpu.get_cpu_capability(),
-           "f32": str(f32_path()), "heap": str(keep_heap()), "bandwidth": copy_bandwidth(), "cells": {}}
+           "f32": str(f32_path()), "bandwidth": copy_bandwidth(), "cells": {}}
     for spec in args.cells.split(";"):
         if spec == "v1":
             out["cells"][spec] = run_v1(args)
@@ -258,7 +248,7 @@ def report(kind: str, res: dict, new: int) -> list[str]:
     lines = [f"\n{kind}, {path}",
              f"  CPU features {' '.join(res['features'])}; ATen {res['capability']}; copy bandwidth "
              f"{bw / 1e9:.1f} GB/s; load {res['load_before'][0]:.2f} -> {res['load_after'][0]:.2f}",
-             f"  compiled graphs' {res['f32']}; {res['heap']}",
+             f"  compiled graphs' {res['f32']}",
              f"  {'cell':<26}{'tok/s':>8}{'e2e tok/s':>11}{'prefill ms':>12}{'compile s':>11}{'of bound':>10}"
              f"{'x upstream decode':>19}{'x e2e':>8}  step"]
     for spec, c in res["cells"].items():
@@ -291,9 +281,6 @@ def main() -> None:
     parser.add_argument("--f32-paths", nargs="+", default=[""], choices=["", "onednn", "library"],
                         help="the float32 product paths of compiled graphs to force (NEEDLE_TWIN_F32), one process "
                              "each; '' (the default) leaves the choice to kernels.f32_path")
-    parser.add_argument("--heaps", nargs="+", default=["kept"], choices=["kept", "system"],
-                        help="kept: generation fixes glibc's heap thresholds (kernels.keep_heap, the default); "
-                             f"system: {HEAP_ENV}=system leaves glibc's defaults; one process each")
     parser.add_argument("--max-rows", type=int, default=None,
                         help="rows up to which compiled steps take the C++ kernels (default cpu_decode.max_rows: "
                              "MAX_ROWS, BF16_MAX_ROWS for bf16 on the CPU's bf16 units): for measuring where they "
@@ -321,13 +308,12 @@ def main() -> None:
         for dtype in args.dtype:
             paths = args.bf16_paths if dtype == "bfloat16" else [""]  # float32 takes no bf16 path
             for forced in paths:
-                for f32, heap in itertools.product(args.f32_paths, args.heaps):
+                for f32 in args.f32_paths:
                     cells = [f"{dtype},{b},{m}" for b in args.batch for m in args.modes]
                     if args.v1 and dtype == "bfloat16":
                         cells.append("v1")
                     res = spawn(cells, {**env, **({BF16_PATH_ENV: forced} if forced not in ("", "auto") else {}),
-                                        **({F32_PATH_ENV: f32} if f32 else {}),
-                                        **({HEAP_ENV: "system"} if heap == "system" else {})}, args)
+                                        **({F32_PATH_ENV: f32} if f32 else {})}, args)
                     for line in report(kind, res, args.new_tokens):
                         print(line, flush=True)
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

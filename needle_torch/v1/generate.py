@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from convert.generation import check_generate_args
-from needle_torch.kernels import CompiledStep, keep_heap_for
+from needle_torch.kernels import CompiledStep
 from needle_torch.layers import make_causal_mask, make_padding_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
@@ -73,7 +73,6 @@ def _prepare(model: nn.Module, src, src_mask, max_new_tokens: int, eos_token_id:
     without dropout whatever the model's mode, as Flax's generate."""
     suppress = check_generate_args(model.config, src, src_mask, max_new_tokens, eos_token_id, pad_token_id,
                                    suppress_tokens)
-    keep_heap_for(model.device)  # on CPU, requests reuse the memory earlier ones freed (kernels.HEAP_ENV)
     src = torch.as_tensor(src, device=model.device)
     src_mask = make_padding_mask(src, pad_token_id) if src_mask is None else torch.as_tensor(src_mask,
                                                                                             device=model.device)
@@ -111,9 +110,7 @@ def generate(model: nn.Module, src: Tensor, src_mask: Tensor | None = None, max_
     run under torch.compiler.set_stance(skip_guard_eval_unsafe), which is process-wide, so compiled generation is
     not for concurrent threads. float32 logits stay within 1e-6 of eager; in bfloat16 inductor keeps some
     intermediates in float32, as XLA's jit does, so logits move by up to ~1e-2 relative (2e-3 at the published size,
-    7e-3 on the fixtures, same tokens). On CPU the first call fixes glibc's heap thresholds for the process, so that
-    requests reuse freed memory (needle_torch.kernels.keep_heap: process-wide, on purpose; NEEDLE_TWIN_HEAP=system
-    leaves glibc's defaults).
+    7e-3 on the fixtures, same tokens).
     """
     src, src_mask, suppress, encoder_out = _prepare(model, src, src_mask, max_new_tokens, eos_token_id,
                                                     pad_token_id, suppress_tokens)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
 from needle_torch import cpu_decode, cpu_hadamard, cpu_prefill, cpu_route, cpu_sinkhorn
-from needle_torch.kernels import CompiledStep, keep_heap_for, prefill_rows
+from needle_torch.kernels import CompiledStep, prefill_rows
 from needle_torch.layers import make_causal_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
@@ -157,7 +157,6 @@ def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, sink, temperat
     B, P = prompts.shape
     G = int(max_new_tokens)
     device = model.device
-    keep_heap_for(device)  # on CPU, requests reuse the memory earlier ones freed (kernels.HEAP_ENV)
     valid = torch.from_numpy(prompt_validity(prompts, pad_token_id)).to(device)
     valid = F.pad(valid, (0, G), value=True)  # (B, M): every generated position is valid
     if sink is not None:
@@ -230,11 +229,6 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     (benchmarks/bench_torch_v2.py; the eager ops of the lane routing and mixing fuse, and compiled CPU code takes
     the Kronecker Walsh form and, in bf16, SDPA's attention). Not the default: a single request would wait longer
     than it saves.
-    On CPU the first call fixes glibc's mmap and trim thresholds for the process (kernels.keep_heap), so that later
-    requests reuse the memory earlier ones freed instead of faulting fresh pages in (a batch-32 float32 request
-    faulted 75-220 thousand pages in without it, 0.4-2.2 s of system time on a 2-core VM): a process-wide setting,
-    on purpose; the process keeps its peak memory.
-    NEEDLE_TWIN_HEAP=system leaves glibc's defaults.
     """
     step_compiled, prefill_compiled = compile_choice(compile)
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, temperature,

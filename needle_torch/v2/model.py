@@ -36,7 +36,6 @@ from needle_torch.kernels import (
     matmul_nt,
     reduces_when_compiled,
     repeated_region,
-    shared_input,
     upcasts,
     walsh_entry,
 )
@@ -325,8 +324,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, K, h = self.num_heads, self.num_kv_heads, self.head_dim
         x = aq(x, quant)
-        # the four projections of x: one product of their stacked weights where that pays (kernels.shared_input)
-        q, k, v, gate = shared_input(x, (self.q_proj, self.k_proj, self.v_proj, self.gate_proj))
+        q, k, v, gate = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate_proj(x)
         q = q.reshape(B, T, H, h).transpose(1, 2)  # (B, H, T, h)
         k = k.reshape(B, T, K, h).transpose(1, 2)  # (B, K, T, h)
         v = v.reshape(B, T, K, h).transpose(1, 2)  # (B, K, T, h)

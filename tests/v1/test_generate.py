@@ -554,16 +554,3 @@ def test_compiled_generation_past_the_recompile_limit_runs_eagerly_and_warns(f32
     (message,) = messages
     assert "recompile limit" in message and "torch._dynamo.config.recompile_limit" in message
     assert "fewer distinct" in message and "\n" not in message
-
-
-def test_cpu_generation_keeps_the_heap(f32, fixture, monkeypatch):
-    """Both torch loops call kernels.keep_heap on CPU (requests reuse freed memory), before the encoder runs."""
-    import importlib
-
-    gen = importlib.import_module("needle_torch.v1.generate")
-    calls: list[str] = []
-    monkeypatch.setattr(gen, "keep_heap_for", lambda device: calls.append(device.type))
-    src = torch.from_numpy(fixture["src"]).long()
-    torch_generate(f32.torch_model, src, max_new_tokens=1)
-    torch_recompute(f32.torch_model, src, max_new_tokens=1)
-    assert calls == ["cpu", "cpu"]
