@@ -3,7 +3,7 @@
 At the published `base` size (random weights, convert.mapping.random_flax_params(config, seed=0)), a
 256-token prompt and 64 new tokens (EOS never stops a row), for batch 1 and 32, float32 and bfloat16,
 torch eager, torch compiled (compile=True: the decoding steps; on CPU at <= cpu_decode.max_rows rows through the
-C++ kernels of needle_torch/cpu_decode.py), compiled-all (compile="all": the prefill too) and, on request, traced
+C++ kernels of needle_torch/fast/cpu_decode.py), compiled-all (compile="all": the prefill too) and, on request, traced
 (compile=True with those kernels switched off: the torch.compile step, for a side-by-side ratio). Each cell names
 the step that ran (kernels, torch.compile or eager):
   tokens/s      new tokens / decode time (the 63 steps after the first token), best of --repeats
@@ -30,10 +30,10 @@ AVX2-only CPU without bf16 units (AVX2_ENV: oneDNN and ATen capped at AVX2, and 
 built as x86-64-v3 code, so with an AVX2 CPU's 16 vector registers), and each bf16 cell set with both bf16 paths
 forced (--bf16-paths: a subset; NEEDLE_TWIN_BF16=native: library bf16 kernels, emulated where the CPU has no bf16
 units; =upcast: float32 kernels on upcast operands; auto: neither forced, each kind taking the path
-needle_torch.kernels.bf16_path() picks there), each process printing the path that ran. --kinds runs one kind only
+needle_torch.fast.kernels.bf16_path() picks there), each process printing the path that ran. --kinds runs one kind only
 (--kinds avx2 --bf16-paths auto: the AVX2-only CPU as generation would run there). --f32-paths forces the float32
 products of compiled graphs through oneDNN or the library (MKL), one process each, beside the path
-needle_torch.kernels.f32_path() picks by the CPU's vendor. --v1 adds Needle v1's torch cells from
+needle_torch.fast.kernels.f32_path() picks by the CPU's vendor. --v1 adds Needle v1's torch cells from
 benchmarks/bench_generate.py (bf16 encode latency, compiled batch-1 decode end to end) on the same grid. Each
 process prints the CPU features it found and the paths that ran.
 
@@ -68,8 +68,8 @@ from convert.mapping import random_flax_params  # noqa: E402
 from convert.v1.config import NEEDLE_V1_PUBLISHED, SPECIAL_IDS  # noqa: E402
 from convert.v2 import NEEDLE_V2_PUBLISHED  # noqa: E402
 from convert.v2.config import BOS_ID, FIRST_PLAIN_ID  # noqa: E402
-from needle_torch import cpu_decode  # noqa: E402
-from needle_torch.kernels import (  # noqa: E402
+from needle_torch.fast import cpu_decode  # noqa: E402
+from needle_torch.fast.kernels import (  # noqa: E402
     BF16_PATH_ENV,
     F32_PATH_ENV,
     bf16_path,

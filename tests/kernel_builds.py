@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from needle_torch import kernels
+from needle_torch.fast import kernels
 
 
 def without_compiler(monkeypatch: pytest.MonkeyPatch, module) -> None:

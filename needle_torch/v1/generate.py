@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from convert.generation import check_generate_args
-from needle_torch.kernels import CompiledStep
+from needle_torch.fast.kernels import CompiledStep
 from needle_torch.layers import make_causal_mask, make_padding_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
@@ -101,12 +101,11 @@ def generate(model: nn.Module, src: Tensor, src_mask: Tensor | None = None, max_
     suppression). Runs in the model's dtype and on its device, never with dropout (the mode is left as it is).
     compile: run each decoder step and its greedy choice as one torch.compile graph with fixed shapes (attends over
     the whole cache under a mask). On CPU at batch <= 4 the step's products are written as reductions
-    (needle_torch.kernels.REDUCE_MAX_ROWS) that inductor fuses into a few passes reading every weight once in its
+    (needle_torch.fast.kernels.REDUCE_MAX_ROWS) that inductor fuses into a few passes reading every weight once in its
     own dtype. Compiles once per (batch, source length, max_new_tokens, dtype, mask or not, suppress or not);
     EOS/pad ids and the suppressed set are tensor inputs, so new values reuse the graph. 15-30 s on 2 CPU cores the
     first time, seconds when inductor's disk cache hits. Past dynamo's recompile limit a request runs eagerly with a
-    needle_torch.kernels.CompileFallbackWarning. At the published size, batch 1, a step then takes 2.4 ms instead of
-    10 ms in bfloat16 (benchmarks/bench_generate.py). Guards are checked on a request's first step only: later steps
+    needle_torch.fast.kernels.CompileFallbackWarning. Guards are checked on a request's first step only: later steps
     run under torch.compiler.set_stance(skip_guard_eval_unsafe), which is process-wide, so compiled generation is
     not for concurrent threads. float32 logits stay within 1e-6 of eager; in bfloat16 inductor keeps some
     intermediates in float32, as XLA's jit does, so logits move by up to ~1e-2 relative (2e-3 at the published size,

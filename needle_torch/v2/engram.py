@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from convert.v2.config import ENGRAM_TAPS, TransformerConfig
-from needle_torch.kernels import Linear
+from needle_torch.fast.kernels import Linear
 from needle_torch.v2.lanes import aq
 
 HASH_SEED = 0x9E3779B9  # table k starts from (SEED · (k + 1)) mod 2^32

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
-from needle_torch import cpu_decode, cpu_hadamard, cpu_prefill, cpu_route, cpu_sinkhorn
-from needle_torch.kernels import CompiledStep, prefill_rows
+from needle_torch.fast import cpu_decode, cpu_hadamard, cpu_prefill, cpu_route, cpu_sinkhorn
+from needle_torch.fast.kernels import CompiledStep, prefill_rows
 from needle_torch.layers import make_causal_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order

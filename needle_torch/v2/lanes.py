@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from needle_torch import cpu_route, cpu_sinkhorn
-from needle_torch.kernels import as_reduction, compiling_for_cpu, matmul_nt
+from needle_torch.fast import cpu_route, cpu_sinkhorn
+from needle_torch.fast.kernels import as_reduction, compiling_for_cpu, matmul_nt
 
 RMS_EPS = 1e-6
 SINKHORN_ITERS = 20  # upstream runs exactly 20; no tolerance stop

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from convert.errors import ConfigError
 from convert.v2.config import TransformerConfig
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, GROUPS
-from needle_torch import cpu_attention, cpu_decode, cpu_hadamard, cpu_prefill
-from needle_torch.kernels import (
+from needle_torch.fast import cpu_attention, cpu_decode, cpu_hadamard, cpu_prefill
+from needle_torch.fast.kernels import (
     Linear,
     as_reduction,
     compiling_for_cpu,

@@ -19,7 +19,7 @@ from needle_flax.v1.model import make_padding_mask as flax_padding_mask
 from needle_flax.v1.model import precompute_rope_freqs as nf_precompute_rope_freqs
 from needle_torch import generate as torch_generate
 from needle_torch import generate_recompute as torch_recompute
-from needle_torch.kernels import CompileFallbackWarning
+from needle_torch.fast.kernels import CompileFallbackWarning
 from needle_torch.v1.generate import pick
 from needle_torch.v1.model import make_padding_mask as torch_padding_mask
 from parity_tests.metrics import max_rel
@@ -37,7 +37,7 @@ BF16_REL = 3e-2
 BF16_DECISIVE_GAP = 2 * 0.025
 
 # A compiled run that fell back to eager past dynamo's recompile limit would test eager code: make it fail.
-pytestmark = pytest.mark.filterwarnings("error::needle_torch.kernels.CompileFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::needle_torch.fast.kernels.CompileFallbackWarning")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,4 +1,4 @@
-"""The C++ decoding step (needle_torch.cpu_decode): each kernel against the eager twin's piece, generation through
+"""The C++ decoding step (needle_torch.fast.cpu_decode): each kernel against the eager twin's piece, generation through
 the kernels against upstream's goldens, and the rule for when a step takes them.
 
 The kernels keep the eager twin's order of operations and its roundings to the compute dtype; only the order of
@@ -21,7 +21,7 @@ from convert.io import read_checkpoint
 from convert.mapping import random_flax_params
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import BOS_ID, FIRST_PLAIN_ID, NEEDLE_V2_PUBLISHED
-from needle_torch import cpu_decode, kernels
+from needle_torch.fast import cpu_decode, kernels
 from needle_torch.v2 import SimpleAttentionNetwork
 from needle_torch.v2.generate import generate
 from needle_torch.v2.lanes import rms_unit

@@ -1,4 +1,4 @@
-"""The C++ lane routing (needle_torch/cpu_route.py) against upstream's float32 function, rms_unit(x) φᵀ, computed in
+"""The C++ lane routing (needle_torch.fast.cpu_route) against upstream's float32 function, rms_unit(x) φᵀ, computed in
 float64 on the same bf16 lanes and weights; and the rule for when a compiled graph calls it. The Needle 2 goldens pin
 lanes.route to upstream's (tests/v2/test_torch_model.py), and the compiled bf16 fixture tests run through the kernel
 where the CPU has the dot products (tests/v2/test_torch_generate.py, test_cpu_prefill.py)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from needle_torch import cpu_route, kernels
+from needle_torch.fast import cpu_route, kernels
 from needle_torch.v2.lanes import flatten_lanes, project, route
 from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 

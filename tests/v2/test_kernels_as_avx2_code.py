@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from needle_torch.kernels import cpu_flags
+from needle_torch.fast.kernels import cpu_flags
 
 REPO = Path(__file__).resolve().parents[2]
 AVX2_CODE = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2"}

@@ -26,7 +26,7 @@ from convert.mapping import random_flax_params
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import FIRST_PLAIN_ID, TransformerConfig
 from convert.v2.generation import prompt_validity
-from needle_torch import cpu_attention, cpu_decode, kernels
+from needle_torch.fast import cpu_attention, cpu_decode, kernels
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2 import SimpleAttentionNetwork, engram_masks
 from needle_torch.v2 import model as v2_model
@@ -52,7 +52,7 @@ BF16_ULP_REL = 2.0 ** -8  # one bf16 ulp relative to the largest logit
 # v1 bf16 golden budget.
 BF16_EMULATED_REL = 3e-2
 
-pytestmark = pytest.mark.filterwarnings("error::needle_torch.kernels.CompileFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::needle_torch.fast.kernels.CompileFallbackWarning")
 
 # A compiled graph of the tiny fixture model takes ~80-180 s to build cold on a 2-core AVX2 VM (Python tracing and
 # lowering, then g++), ~20-30 s from inductor's on-disk cache, nothing within a process that compiled it. So the
@@ -609,7 +609,7 @@ FRESH_PROCESS_ALL = """
 import numpy as np, torch
 from convert.io import read_checkpoint
 from convert.trees import flatten_tree, unflatten_tree
-from needle_torch import kernels
+from needle_torch.fast import kernels
 from needle_torch.v2 import SimpleAttentionNetwork
 torch.set_num_threads(1)
 ckpt = read_checkpoint("tests/data/needle-v2-tiny.pkl")
@@ -617,7 +617,7 @@ params = unflatten_tree({k: np.asarray(v, np.float32) for k, v in flatten_tree(c
 model = SimpleAttentionNetwork.from_flax(params, ckpt.config)  # float32, as the f32 fixture above
 prompts = np.load("tests/data/needle-v2-tiny.npz")["batch_prompts"]
 kernels.PREFILL_TOKENS = prompts.shape[1]  # one-row chunks: the chunked test's graph
-from needle_torch import cpu_decode
+from needle_torch.fast import cpu_decode
 cpu_decode.max_rows = lambda dtype: 0  # the chunked test's torch.compile step (its `traced` fixture)
 from parity_tests.devices import pinned_precision  # the test session's settings: part of inductor's cache key
 with pinned_precision():

@@ -26,7 +26,7 @@ from convert.safe_pickle import load_file
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import TransformerConfig
 from convert.v2.lora import merge_lora
-from needle_torch import kernels
+from needle_torch.fast import kernels
 from needle_torch.layers import ZCRMSNorm, make_causal_mask
 from needle_torch.v2 import (
     Engram,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls, product_path
+from needle_torch.fast.kernels import REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls, product_path
 
 # The kernel's widths: its rows in steps of 32 bf16 values (one dot-product vector), its outputs in blocks of 4.
 WIDTH_MULTIPLE, OUTS_MULTIPLE = 32, 4

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import CPP_SCALARS, build_once, cpp_kernel
+from needle_torch.fast.kernels import CPP_SCALARS, build_once, cpp_kernel
 
 # Rows x kv heads from which a compiled step calls the kernel instead of fusing the attention into the layer (batch 8
 # at the published size's 4 kv heads; batch 4 measured even).

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls
+from needle_torch.fast.kernels import REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls
 
 _SOURCE = Path(__file__).with_name("csrc") / "sinkhorn.cpp"
 _built: dict[int, object] = {}  # lanes -> the kernel

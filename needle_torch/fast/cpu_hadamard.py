@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import CPP_SCALARS, REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls, walsh_entry
+from needle_torch.fast.kernels import CPP_SCALARS, REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls, walsh_entry
 
 # Both widths must fill whole float vectors: 16 lanes with AVX-512, 8 with AVX2.
 WIDTH_MULTIPLE = 16

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from needle_torch.kernels import (
+from needle_torch.fast.kernels import (
     CPP_SCALARS,
     bare_linear,
     build_once,

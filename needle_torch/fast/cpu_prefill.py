@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import CPP_SCALARS, build_once, cpp_kernel, graph_calls, product_path, upcasts
+from needle_torch.fast.kernels import CPP_SCALARS, build_once, cpp_kernel, graph_calls, product_path, upcasts
 
 # The head dim must fill whole float vectors (the kernel's static_assert): 16 lanes with AVX-512, 8 with AVX2.
 HEAD_MULTIPLE = 16
