@@ -13,8 +13,8 @@ import os
 import re
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+# ----------------------------------------------------------------------------- the one switch
+
+# Every fast form below asks enabled() first; generate(..., fast=False) turns them all off for one request, so that
+# the plain modules run as written (eager or under a plain torch.compile). A module global: torch.compile guards on
+# it, so a graph traced with the fast forms is never reused without them.
+_ENABLED = True
+
+
+def enabled() -> bool:
+    """Whether the fast forms of this package apply (generate's `fast` argument; on by default)."""
+    return _ENABLED
+
+
+@contextmanager
+def fast_paths(on: bool) -> Iterator[None]:
+    """Run the block with the fast forms on or off (restored after, also on an error)."""
+    global _ENABLED
+    before, _ENABLED = _ENABLED, bool(on)
+    try:
+        yield
+    finally:
+        _ENABLED = before
+
 
 # ----------------------------------------------------------------------------- bf16 products by CPU capability
 
@@ -114,7 +138,7 @@ def _native_bf16() -> bool:
 
 def upcasts(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a product in `dtype` on `device` runs as float32 kernels on upcast operands (see bf16_path)."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and not _native_bf16()
+    return _ENABLED and dtype == torch.bfloat16 and device.type == "cpu" and not _native_bf16()
 
 
 def product_path(dtype: torch.dtype) -> int:
@@ -318,13 +342,13 @@ REDUCE_MAX_ROWS = 4
 
 def reduces_when_compiled(rows: int, device: torch.device) -> bool:
     """Whether a compiled product with `rows` rows on `device` is written as a multiply-and-sum (CPU, few rows)."""
-    return device.type == "cpu" and rows <= REDUCE_MAX_ROWS
+    return _ENABLED and device.type == "cpu" and rows <= REDUCE_MAX_ROWS
 
 
 def compiling_for_cpu(device: torch.device) -> bool:
     """Whether the code being run is traced by torch.compile for `device` on CPU: where the compiled forms of this
     package apply (reductions, and the Needle 2 Walsh, lane-mix and bf16 attention forms), all measured on CPU."""
-    return torch.compiler.is_compiling() and device.type == "cpu"
+    return _ENABLED and torch.compiler.is_compiling() and device.type == "cpu"
 
 
 def graph_calls(device: torch.device, ready: Mapping, key) -> bool:
@@ -435,7 +459,7 @@ PREFILL_TOKENS = 2048
 def prefill_rows(batch: int, length: int, device: torch.device) -> int:
     """How many of `batch` prompts of `length` tokens one prefill chunk takes: PREFILL_TOKENS' worth (at least one)
     on CPU; elsewhere all of them (a GPU's caching allocator reuses its blocks; not measured here)."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not _ENABLED:
         return batch
     return max(1, min(batch, PREFILL_TOKENS // length))  # length >= 1: every prompt has a token
 
@@ -511,16 +535,17 @@ def recompile_limit_errors() -> tuple[type[Exception], ...]:
     return () if error is None else (error,)
 
 
-_compiled: dict[Callable, Callable] = {}
+_compiled: dict[tuple, Callable] = {}
 
 
 def compiled(fn: Callable, options: dict | None = None) -> Callable:
-    """`fn` under torch.compile (one wrapper per function; graphs cached per shapes, dtypes and None-ness of its
-    arguments, up to torch._dynamo.config.recompile_limit: past it, `call_compiled` runs eagerly and warns).
-    options: inductor settings for this function's graphs (the first call's options stay with `fn`)."""
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
-    return _compiled[fn]
+    """`fn` under torch.compile (one wrapper per function and options; graphs cached per shapes, dtypes and
+    None-ness of its arguments, up to torch._dynamo.config.recompile_limit: past it, `CompiledStep` runs eagerly and
+    warns). options: inductor settings for this function's graphs."""
+    key = (fn, None if options is None else tuple(sorted(options.items())))
+    if key not in _compiled:
+        _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    return _compiled[key]
 
 
 def skip_guards() -> AbstractContextManager:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from convert.generation import check_generate_args
-from needle_torch.fast.kernels import CompiledStep
+from needle_torch.fast.kernels import CompiledStep, fast_paths
 from needle_torch.layers import make_causal_mask, make_padding_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
@@ -92,7 +92,7 @@ def _step_and_pick(model: nn.Module, tokens: Tensor, cache, pos: int | Tensor, c
 @torch.inference_mode()
 def generate(model: nn.Module, src: Tensor, src_mask: Tensor | None = None, max_new_tokens: int = 64,
              eos_token_id: int = 1, suppress_tokens: Iterable[int] | None = None, pad_token_id: int = 0, *,
-             streamer: Streamer | None = None, return_logits: bool = False, compile: bool = False):
+             streamer: Streamer | None = None, return_logits: bool = False, compile: bool = False, fast: bool = True):
     """Greedy cached generation from EOS; LongTensor (B, 1 + steps), or (tokens, float32 logits (B, steps, V)).
 
     src: (B, S) token ids, right-padded with pad_token_id; src_mask: bool (B, 1, 1, S) encoder/cross mask (None: the
@@ -110,7 +110,18 @@ def generate(model: nn.Module, src: Tensor, src_mask: Tensor | None = None, max_
     not for concurrent threads. float32 logits stay within 1e-6 of eager; in bfloat16 inductor keeps some
     intermediates in float32, as XLA's jit does, so logits move by up to ~1e-2 relative (2e-3 at the published size,
     7e-3 on the fixtures, same tokens).
+    fast: the speed forms of needle_torch.fast (reduced and packed products, the CPU's bf16 path); False runs the
+    plain modules as written, eagerly or under a plain torch.compile: the baseline the fast forms are measured
+    against.
     """
+    with fast_paths(fast):
+        return _generate(model, src, src_mask, max_new_tokens, eos_token_id, suppress_tokens, pad_token_id,
+                         streamer, return_logits, compile)
+
+
+def _generate(model, src, src_mask, max_new_tokens, eos_token_id, suppress_tokens, pad_token_id, streamer,
+              return_logits, compile):
+    """generate's body, run inside fast_paths(fast)."""
     src, src_mask, suppress, encoder_out = _prepare(model, src, src_mask, max_new_tokens, eos_token_id,
                                                     pad_token_id, suppress_tokens)
     L = int(max_new_tokens)

@@ -25,6 +25,22 @@ HASH_SHIFT = 15
 MASK32 = 0xFFFFFFFF
 
 
+def shift_right(valid: Tensor, offset: int) -> Tensor:
+    """valid moved `offset` steps later on the time axis (axis 1), False/zeros shifted in at the start: (B, T)."""
+    return F.pad(valid, (offset, 0))[:, :valid.shape[1]]
+
+
+def mask_diag(mask: Tensor, offset: int) -> Tensor:
+    """diag_o[b, t] = mask[b, 0, t, t - o], False where t < o: may position t see position t - o? (B|1, 1, T, T)
+    -> (B|1, T)."""
+    m = mask[:, 0]  # (B|1, T, T)
+    B, T, _ = m.shape
+    if offset >= T:
+        return m.new_zeros((B, T))
+    d = torch.diagonal(m, offset=-offset, dim1=1, dim2=2)  # (B, T - o)
+    return torch.cat([d.new_zeros((B, offset)), d], dim=1)  # (B, T)
+
+
 def engram_indices(tokens: Tensor, config: TransformerConfig) -> Tensor:
     """Table rows idx (B, T, N) int64 of upstream's `engram_indices`: table k = oi·E + e (order-major), order o.
 
@@ -46,43 +62,16 @@ def engram_indices(tokens: Tensor, config: TransformerConfig) -> Tensor:
     return torch.cat(cols, dim=-1)  # (B, T, N)
 
 
-def _diagonal(mask: Tensor, offset: int) -> Tensor:
-    """diag_o[b, t] = mask[b, t, t - o] for t >= o, False before: (B, T, T) -> (B, T)."""
-    B, T, _ = mask.shape
-    if offset >= T:
-        return mask.new_zeros((B, T))
-    d = torch.diagonal(mask, offset=-offset, dim1=1, dim2=2)  # (B, T - o)
-    return torch.cat([d.new_zeros((B, offset)), d], dim=1)  # (B, T)
-
-
 def engram_masks(mask: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
     """(ngram_ok (B, T, N), tap_ok (4, B, T)) bool, read off the attention mask (B|1, 1, T|1, T).
 
     ngram_ok[..., k] = diag_{o-1} for table k's order o; tap_ok[j] = diag_{j·max(O)}. B is the mask's (1 for
     the default causal mask: broadcast over the batch). The masks inherit padding, windows and packing."""
     T = mask.shape[-1]
-    m = mask.expand(mask.shape[0], 1, T, T)[:, 0]  # (B, T, T)
+    m = mask.expand(mask.shape[0], 1, T, T)  # (B, 1, T, T)
     E, dil = config.engram_heads_resolved, config.engram_dilation
-    ngram = [_diagonal(m, order - 1) for order in config.engram_orders for _ in range(E)]
-    taps = [_diagonal(m, j * dil) for j in range(ENGRAM_TAPS)]
-    return torch.stack(ngram, dim=-1), torch.stack(taps, dim=0)
-
-
-def _shift(valid: Tensor, offset: int) -> Tensor:
-    """valid[b, t - offset], False before the start: (B, T) -> (B, T)."""
-    return F.pad(valid, (offset, 0))[:, :valid.shape[1]]
-
-
-def engram_history_masks(valid: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
-    """(ngram_ok (B, T, N), tap_ok (4, B, T)) bool from token validity (B, T), as cached decoding builds them.
-
-    Upstream's decode reads no attention mask: ngram_ok[..., k] = valid shifted right by o - 1 (table k's order
-    o) and tap_ok[j] = valid shifted by j·max(O), False before the start. For validity that starts at each row's
-    first real token (left padding) this is engram_masks of causal ∧ key-valid; a kv_window never enters it
-    (NEEDLE_V2.md §6, differences 2)."""
-    E, dil = config.engram_heads_resolved, config.engram_dilation
-    ngram = [_shift(valid, order - 1) for order in config.engram_orders for _ in range(E)]
-    taps = [_shift(valid, j * dil) for j in range(ENGRAM_TAPS)]
+    ngram = [mask_diag(m, order - 1) for order in config.engram_orders for _ in range(E)]
+    taps = [mask_diag(m, j * dil) for j in range(ENGRAM_TAPS)]
     return torch.stack(ngram, dim=-1), torch.stack(taps, dim=0)
 
 
@@ -142,4 +131,4 @@ class Engram(nn.Module):
         return list(self.value_proj(torch.cat(blocks, dim=1)).split(n, dim=1))  # (B, 4·n, D) -> 4 x (B, n, D)
 
 
-__all__ = ["HASH_PRIME", "HASH_SEED", "Engram", "engram_history_masks", "engram_indices", "engram_masks"]
+__all__ = ["HASH_PRIME", "HASH_SEED", "Engram", "engram_indices", "engram_masks", "mask_diag", "shift_right"]

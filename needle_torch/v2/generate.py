@@ -13,16 +13,19 @@ Shapes: B batch, P prompt length (padded), G = max_new_tokens, M = P + G buffer 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from convert.errors import GenerationError
+from convert.v2.config import ENGRAM_TAPS, TransformerConfig
 from convert.v2.generation import check_generate_args, prompt_validity
 from needle_torch.fast import cpu_decode, cpu_hadamard, cpu_prefill, cpu_route, cpu_sinkhorn
-from needle_torch.fast.kernels import CompiledStep, prefill_rows
+from needle_torch.fast.kernels import CompiledStep, enabled, fast_paths, prefill_rows
 from needle_torch.layers import make_causal_mask
+from needle_torch.v2.engram import shift_right
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
 
@@ -32,7 +35,7 @@ Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of 
 # or alignment asserts in the wrapper (thousands of Python calls a step across 27 layers): 14.3 -> 12.5 ms.
 STEP_OPTIONS = {"realize_cpu_opcount_threshold": 8, "size_asserts": False}
 # The compiled prefill's: the step's, and every fused kernel's loops in the order of its output's layout instead of
-# the order inductor picks from the strides of its reads. The lane mix (mix_out) reads the (n, n) routing weights
+# the order inductor picks from the strides of its reads. The lane mix (write_lanes) reads the (n, n) routing weights
 # token-innermost (Sinkhorn's compiled layout), so the picked order ran lane-outermost and read all the lanes once
 # per output lane: 4.4-5.1 against 2.2 ms a layer for 2048 tokens. Batch-32 compiled prefills of 256 tokens at the
 # published size, 2 threads of a 2-core Zen 4 EPYC, the two option sets alternating in one process: float32 fused
@@ -40,6 +43,81 @@ STEP_OPTIONS = {"realize_cpu_opcount_threshold": 8, "size_asserts": False}
 # bf16 4.59 against 4.08 s (medians of 10); batch 1 unchanged (float32 185 against 182 ms, bf16 122 against 124 ms).
 # The decode step keeps inductor's picks: batch-32 float32 steps 50.9 against 50.5 ms, within noise.
 PREFILL_OPTIONS = {**STEP_OPTIONS, "pick_loop_orders": False}
+
+
+# ----------------------------------------------------------------------------- masks and the cache
+
+
+def make_decode_mask(positions: Tensor, valid: Tensor, window: int = 0, sink: Tensor | None = None) -> Tensor:
+    """The key mask of upstream's cached decoding (§6): (B, 1, S, M) bool for queries at buffer positions
+    `positions` (S,) over keys 0..M-1 with validity `valid` (B, M) and sinks `sink` (B, M) or None.
+
+    Key k is visible from query q iff k <= q ∧ valid_k [∧ (q - k < window ∨ sink_k)], or k = q: upstream's flash
+    prefill ORs the diagonal so that left-pad rows see themselves (finite, exact goldens); in a single step the
+    query is a generated, always valid position, so the diagonal changes nothing there."""
+    keys = torch.arange(valid.shape[1], device=valid.device)
+    back = positions[:, None] - keys[None, :]  # (S, M): q - k
+    ok = (back >= 0)[None] & valid[:, None, :]  # (B, S, M)
+    if window > 0:
+        near = (back < window)[None]  # (1, S, M)
+        ok = ok & (near if sink is None else near | sink[:, None, :])
+    return (ok | (back == 0)[None])[:, None]  # (B, 1, S, M)
+
+
+def engram_history_masks(valid: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
+    """(ngram_ok (B, T, N), tap_ok (4, B, T)) bool from token validity (B, T), as cached decoding builds them.
+
+    Upstream's decode reads no attention mask: ngram_ok[..., k] = valid shifted right by o - 1 (table k's order
+    o) and tap_ok[j] = valid shifted by j·max(O), False before the start. For validity that starts at each row's
+    first real token (left padding) this is engram_masks of causal ∧ key-valid; a kv_window never enters it
+    (NEEDLE_V2.md §6, differences 2)."""
+    E, dil = config.engram_heads_resolved, config.engram_dilation
+    ngram = [shift_right(valid, order - 1) for order in config.engram_orders for _ in range(E)]
+    taps = [shift_right(valid, j * dil) for j in range(ENGRAM_TAPS)]
+    return torch.stack(ngram, dim=-1), torch.stack(taps, dim=0)
+
+
+@dataclass
+class DecodeCache:
+    """One cached-decoding request's state (upstream's decode.py, §6), preallocated for M buffer positions.
+
+    k, v: one (B, K, M, h) buffer per layer, in the compute dtype: K after k_norm and RoPE, V as projected. Separate
+    tensors, not views of one: a compiled region writes into its inputs correctly only then (torch 2.13). The
+    forward rounds both to the compute dtype before attending, so this holds exactly what it would attend over
+    (upstream's decode keeps float32 caches because it runs everything in float32; so does a float32 model here).
+    hist (B, W + M) int64 and valid (B, W + M) bool: the token at every buffer position and upstream's `valid`
+    (key_valid and hist_valid), behind W = 4·max(O) leading zeros / False, so the engram's history window
+    [pos - W, pos + S) is one slice at every position. sink (B, M) bool or None and window (kv_window, 0 = off)
+    shape the attention mask only. rope: cos, sin (M, h/2), and offsets: every layer's lane_offsets, computed
+    once. logits_weight: the tied embedding upcast to float32 once per request (None: read in place, under
+    compile or for a float32 model). fused: the C++ decode-layer kernel's state (cpu_decode.fuse) when single
+    steps run through it (None: they do not)."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    hist: Tensor
+    valid: Tensor
+    sink: Tensor | None
+    window: int
+    rope: tuple[Tensor, Tensor]
+    offsets: list[tuple[Tensor, Tensor]]
+    logits_weight: Tensor | None = None
+    fused: cpu_decode.Fused | None = None
+
+    def rows(self, start: int, stop: int) -> DecodeCache:
+        """The same state for batch rows start..stop-1: views, so writing through it fills this cache (without the
+        kernel state, whose tables point at the whole batch's buffers; only prefills take rows)."""
+        return replace(self, k=[t[start:stop] for t in self.k], v=[t[start:stop] for t in self.v],
+                       hist=self.hist[start:stop], valid=self.valid[start:stop],
+                       sink=None if self.sink is None else self.sink[start:stop], fused=None)
+
+
+# ----------------------------------------------------------------------------- one step and its choice
+
+
+def options(fast_options: dict) -> dict | None:
+    """The inductor options of a compiled pass: `fast_options` with the fast forms on, inductor's defaults without."""
+    return fast_options if enabled() else None
 
 
 def pick(logits: Tensor, done: Tensor, eos: int | Tensor, pad: int | Tensor, noise: Tensor | None = None,
@@ -73,7 +151,7 @@ def prefill_in_chunks(model: nn.Module, prompts: Tensor, cache, compiled: bool =
     for start in range(0, B, rows):
         n = min(rows, B - start)
         if n not in passes:
-            passes[n] = CompiledStep(_prefill, PREFILL_OPTIONS) if compiled else _prefill
+            passes[n] = CompiledStep(_prefill, options(PREFILL_OPTIONS)) if compiled else _prefill
         out.append(passes[n](model, prompts[start:start + n], cache if n == B else cache.rows(start, start + n)))
     return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -170,7 +248,7 @@ def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, sink, temperat
 def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: int = 0, temperature: float = 0.0,
              seed: int | None = None, sink=None, eos_token_id: int | None = 1, pad_token_id: int = 0,
              return_logits: bool = False, return_logprobs: bool = False, streamer: Streamer | None = None,
-             compile: bool | str = False):
+             compile: bool | str = False, fast: bool = True):
     """Cached generation: the new tokens LongTensor (B, max_new_tokens), plus (logits, logprobs) on request.
 
     tokens: (B, P) prompts (BOS included), left-padded with pad_token_id as upstream's batched path lays them out;
@@ -229,7 +307,18 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     (benchmarks/bench_torch_v2.py; the eager ops of the lane routing and mixing fuse, and compiled CPU code takes
     the Kronecker Walsh form and, in bf16, SDPA's attention). Not the default: a single request would wait longer
     than it saves.
+    fast: the speed forms of needle_torch.fast (C++ kernels, packed and reduced products, the CPU's bf16 path);
+    False runs the plain modules as written, eagerly or under a plain torch.compile (no inductor options): the
+    baseline every fast form is measured against. The same function either way (float32 sums in another order).
     """
+    with fast_paths(fast):
+        return _generate(model, tokens, max_new_tokens, kv_window, temperature, seed, sink, eos_token_id,
+                         pad_token_id, return_logits, return_logprobs, streamer, compile, fast)
+
+
+def _generate(model, tokens, max_new_tokens, kv_window, temperature, seed, sink, eos_token_id, pad_token_id,
+              return_logits, return_logprobs, streamer, compile, fast):
+    """generate's body, run inside fast_paths(fast)."""
     step_compiled, prefill_compiled = compile_choice(compile)
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, temperature,
                                                   seed, eos_token_id, pad_token_id)
@@ -248,7 +337,7 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     prefill = prefill_in_chunks(model, prompts, cache, prefill_compiled)  # (B, V) float32: chooses token 0
     # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
-    step = CompiledStep(_step_and_pick, STEP_OPTIONS) if traced else _step_and_pick
+    step = CompiledStep(_step_and_pick, options(STEP_OPTIONS)) if traced else _step_and_pick
     positions = torch.arange(P, P + G, device=device) if traced else range(P, P + G)
 
     def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):

@@ -2,7 +2,7 @@
 
 The twin of needle_flax/v2/lanes.py. Everything here runs in float32 whatever the compute
 dtype: upstream's routing is a float32 island, and the lanes are cast back to the compute
-dtype only where upstream casts them (`mix_in`, `mix_out`). The fake-quant helpers live here
+dtype only where upstream casts them (`read_lanes`, `write_lanes`). The fake-quant helpers live here
 too because the engram, the attention and the heads all apply them and none of those owns them.
 
 Shapes: B batch, T length, n lanes, D d_model.
@@ -85,7 +85,7 @@ def lane_offsets(layer: int, lanes: int, device=None) -> tuple[Tensor, Tensor]:
     return 8 * lane - 4, -4 * (1 - lane)
 
 
-def flatten_lanes(lanes: Tensor) -> Tensor:
+def flat_lanes(lanes: Tensor) -> Tensor:
     """x̂ = rms_unit of the lanes flattened lane-major: (B, T, n, D) -> (B, T, n·D) float32."""
     B, T, n, D = lanes.shape
     return rms_unit(lanes.reshape(B, T, n * D))  # (B, T, n·D)
@@ -108,7 +108,7 @@ def project(xhat: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 
 def route(lanes: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """x̂ φ for each φ of `phis`, x̂ = flatten_lanes(lanes): project(flatten_lanes(lanes), phis).
+    """x̂ φ for each φ of `phis`, x̂ = flat_lanes(lanes): project(flat_lanes(lanes), phis).
 
     Compiled for CPU over more float32 rows than a fused reduction takes (a prefill, a batch-32 step), the product
     reads the lanes themselves and each row of its result takes rms_unit's factor after it, x̂ φ = (x φ)·rsqrt(mean(x²)
@@ -124,7 +124,7 @@ def route(lanes: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     if cpu_route.applies(lanes, phis):  # compiled CPU graphs of many bf16 rows: the C++ kernel
         return cpu_route.route(lanes, phis)
     if lanes.dtype != torch.float32 or not compiling_for_cpu(lanes.device) or as_reduction(B * T, lanes.device):
-        return project(flatten_lanes(lanes), phis)
+        return project(flat_lanes(lanes), phis)
     x = lanes.reshape(B, T, n * D)
     stacked = torch.cat([phi.float() for phi in phis])  # (Σ out, n·D)
     return (matmul_nt(x, stacked, torch.float32) * rms_factor(x)).split([phi.shape[0] for phi in phis], dim=-1)
@@ -148,12 +148,12 @@ def res_weights(r: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return sinkhorn(a * R + b)
 
 
-def mix_in(hpre: Tensor, lanes: Tensor, dtype: torch.dtype) -> Tensor:
+def read_lanes(hpre: Tensor, lanes: Tensor, dtype: torch.dtype) -> Tensor:
     """u = cast_dtype(Σ_i hpre_i · f32(X_i)): (B, T, n), (B, T, n, D) -> (B, T, D)."""
     return (hpre[..., None] * lanes.float()).sum(2).to(dtype)  # (B, T, n, 1) * (B, T, n, D), summed over n
 
 
-def mix_out(hres: Tensor, hpost: Tensor, lanes: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
+def write_lanes(hres: Tensor, lanes: Tensor, hpost: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
     """X'_i = cast_dtype(Σ_j M_ij · f32(X_j) + hpost_i · f32(y)): the new lanes (B, T, n, D).
 
     Eagerly a batched (n, n) x (n, D) product per token. Compiled for CPU the n terms are written out, so the
@@ -195,6 +195,6 @@ def aq(x: Tensor, quant: bool | Tensor) -> Tensor:
 
 
 __all__ = [
-    "ACT_BITS", "SINKHORN_ITERS", "aq", "fake_quant_act", "flatten_lanes", "lane_offsets", "mix_in", "mix_out",
+    "ACT_BITS", "SINKHORN_ITERS", "aq", "fake_quant_act", "flat_lanes", "lane_offsets", "read_lanes", "write_lanes",
     "post_weights", "pre_weights", "project", "res_weights", "rms_factor", "rms_unit", "route", "sinkhorn",
 ]

@@ -23,9 +23,8 @@ from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import BOS_ID, FIRST_PLAIN_ID, NEEDLE_V2_PUBLISHED
 from needle_torch.fast import cpu_decode, kernels
 from needle_torch.v2 import SimpleAttentionNetwork
-from needle_torch.v2.generate import generate
+from needle_torch.v2.generate import generate, make_decode_mask
 from needle_torch.v2.lanes import rms_unit
-from needle_torch.v2.model import make_decode_mask
 from tests.kernel_builds import without_compiler
 from tests.torch_threads import torch_threads
 from tests.v2.goldens import G, assert_generated, chosen_from

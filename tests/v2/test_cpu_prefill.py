@@ -17,7 +17,8 @@ from convert.io import read_checkpoint
 from convert.trees import flatten_tree, unflatten_tree
 from needle_torch.fast import cpu_prefill, kernels
 from needle_torch.v2 import model as v2_model
-from needle_torch.v2.model import SimpleAttentionNetwork, dot_product_attention, make_decode_mask
+from needle_torch.v2.generate import make_decode_mask
+from needle_torch.v2.model import SimpleAttentionNetwork, dot_product_attention
 from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 from tests.v2.goldens import F32_REL
 

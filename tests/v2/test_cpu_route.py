@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from needle_torch.fast import cpu_route, kernels
-from needle_torch.v2.lanes import flatten_lanes, project, route
+from needle_torch.v2.lanes import flat_lanes, project, route
 from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 
 # bf16 lanes and weights: every product exact in float32, float32 sums of n·D of them in another order, the rms factor
@@ -48,9 +48,9 @@ def test_the_kernel_is_upstreams_routing_projection(lanes, d_model, rows):
     cpu_route.prepare(lanes, d_model, torch.bfloat16, CPU)
     out = cpu_route.lane_route(x.reshape(rows, -1), torch.cat(phis))
     assert out.shape == (rows, 2 * lanes + lanes * lanes) and out.dtype == torch.float32
-    ref = flatten_lanes(x.double()).double()[0] @ torch.cat(phis).double().t()  # rms_unit in float64
+    ref = flat_lanes(x.double()).double()[0] @ torch.cat(phis).double().t()  # rms_unit in float64
     assert rel(out, ref) <= F32_REL
-    eager = torch.cat(project(flatten_lanes(x), phis), dim=-1)[0]  # the twin's eager float32 form
+    eager = torch.cat(project(flat_lanes(x), phis), dim=-1)[0]  # the twin's eager float32 form
     assert rel(eager, ref) <= F32_REL
 
 
@@ -64,7 +64,7 @@ def test_compiled_graphs_of_many_bf16_rows_call_the_kernel():
     calls = []
     real = cpu_route._built[key]
     x = lanes_of(2, 5, LANES, D)
-    ref = flatten_lanes(x.double()).double() @ torch.cat(phis).double().t()  # (2, 5, 24)
+    ref = flat_lanes(x.double()).double() @ torch.cat(phis).double().t()  # (2, 5, 24)
 
     def routed(lanes):
         return torch.cat(route(lanes, phis), dim=-1)

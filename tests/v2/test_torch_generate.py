@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import ml_dtypes
@@ -20,19 +21,18 @@ import pytest
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+import needle_torch.v2.generate as generate_module
 from convert.errors import GenerationError
 from convert.io import read_checkpoint
 from convert.mapping import random_flax_params
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import FIRST_PLAIN_ID, TransformerConfig
 from convert.v2.generation import prompt_validity
-from needle_torch.fast import cpu_attention, cpu_decode, kernels
+from needle_torch.fast import cpu_attention, cpu_decode, cpu_sinkhorn, kernels
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2 import SimpleAttentionNetwork, engram_masks
 from needle_torch.v2 import model as v2_model
-from needle_torch.v2.engram import engram_history_masks
-from needle_torch.v2.generate import generate, generate_recompute, pick
-from needle_torch.v2.model import make_decode_mask
+from needle_torch.v2.generate import engram_history_masks, generate, generate_recompute, make_decode_mask, pick
 from tests.torch_threads import torch_threads
 from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, left_padded, run_loop_reference
 
@@ -936,3 +936,89 @@ def test_a_compiled_prefill_through_onednn_reproduces_upstreams_prefill(f32, fx,
     assert any("needle_twin.onednn_linear" in target for target in seen)
     for p in range(logits.shape[1]):
         assert rel(logits[:, p], g["f32/dec_prefill_logits"][:, p]) <= F32_REL, f"prefill position {p}"
+
+
+# ----------------------------------------------------------------------------- the fast switch
+
+
+def test_fast_false_runs_the_plain_forms_for_one_request_and_gives_the_same_tokens(f32, fx, monkeypatch):
+    """generate(..., fast=False): inside the request every fast form is off (kernels.enabled), after it they are on
+    again, and the eager tokens are the default's (the same function)."""
+    seen: list[bool] = []
+    rows = generate_module.prefill_rows
+    monkeypatch.setattr(generate_module, "prefill_rows", lambda *a: seen.append(kernels.enabled()) or rows(*a))
+    g = fx["g"]
+    plain, plain_logits = generate(f32, g["batch_prompts"], G, return_logits=True, fast=False)
+    default, logits = generate(f32, g["batch_prompts"], G, return_logits=True)
+    assert seen == [False, True] and kernels.enabled()
+    assert torch.equal(plain, default) and rel(plain_logits, logits) <= F32_REL
+    with pytest.raises(ValueError), kernels.fast_paths(False):
+        raise ValueError("an error inside the block")
+    assert kernels.enabled()
+
+
+@pytest.mark.slow
+@STEP_GRAPHS
+def test_plain_compiled_steps_give_the_eager_tokens(f32, fx):
+    """compile=True with fast=False: a plain torch.compile of the plain modules (no kernels, no reductions, no
+    inductor options), its own graph, the tokens and logits of eager (float32, within COMPILED_REL)."""
+    g = fx["g"]
+    tokens, logits = generate(f32, g["batch_prompts"], 10, return_logits=True, compile=True, fast=False)
+    eager_tokens, eager_logits = generate(f32, g["batch_prompts"], 10, return_logits=True)
+    np.testing.assert_array_equal(tokens.numpy(), g["f32/batch_tokens"])
+    assert torch.equal(tokens, eager_tokens) and rel(logits, eager_logits) <= COMPILED_REL
+
+
+# ----------------------------------------------------------------------------- private torch APIs made unavailable
+
+
+def test_without_the_private_onednn_ops_products_take_the_library(monkeypatch):
+    """A torch without torch.ops.mkldnn's private ops (kernels.ONEDNN_OPS): no float32 product takes oneDNN, no bf16
+    product packs, and a compiled product of a Linear is the library's (no onednn_linear in its graph)."""
+    with monkeypatch.context() as m:  # only around the checks: inductor itself calls torch.ops.mkldnn
+        m.setattr(torch.ops, "mkldnn", types.SimpleNamespace())
+        assert not kernels.onednn_ops()
+        assert not kernels.decide_f32_path({}, "AuthenticAMD", kernels.onednn_ops()).onednn
+        assert not kernels._onednn_bf16()
+    # what such a process decides, on the native bf16 path where the ops would pack bf16 weights
+    monkeypatch.setattr(kernels, "_onednn_f32", lambda: False)
+    monkeypatch.setattr(kernels, "_onednn_bf16", lambda: False)
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
+    layer = kernels.Linear(96, 40, bias=False).bfloat16()
+    x = torch.randn(1, 32, 96).bfloat16()
+    seen: list[str] = []
+
+    def backend(gm, inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._inductor.compile(gm, inputs)
+
+    with torch.no_grad():
+        y = torch.compile(layer, backend=backend, fullgraph=True)(x)
+    assert seen and not any("onednn_linear" in target for target in seen)
+    torch.testing.assert_close(y.float(), x.float() @ layer.weight.float().T, rtol=2**-7, atol=1e-3)
+
+
+def test_without_inductors_cpp_cache_a_kernel_falls_back_with_one_warning(monkeypatch):
+    """A torch whose torch._inductor.codecache lacks CppPythonBindingsCodeCache: a kernel module's build warns once
+    (KernelBuildWarning) and compiled graphs keep the torch form (applies is False)."""
+    monkeypatch.setitem(sys.modules, "torch._inductor.codecache", types.ModuleType("torch._inductor.codecache"))
+    monkeypatch.setattr(cpu_sinkhorn, "_built", {})
+    monkeypatch.setattr(cpu_sinkhorn, "_ready", {})
+    with pytest.warns(kernels.KernelBuildWarning, match="Sinkhorn"):
+        cpu_sinkhorn.prepare(4, torch.device("cpu"))
+    assert cpu_sinkhorn._ready == {4: False}
+
+
+def test_without_the_private_prims_op_a_stored_input_is_itself(monkeypatch):
+    """kernels.stored where torch.ops.prims has no inductor_force_stride_order: the input itself."""
+    monkeypatch.setattr(torch.ops, "prims", types.SimpleNamespace())
+    monkeypatch.setattr(kernels, "as_reduction", lambda rows, device: True)
+    x = torch.randn(2, 8)
+    assert kernels.stored(x) is x
+
+
+def test_without_dynamos_recompile_limit_error_nothing_is_caught(monkeypatch):
+    """kernels.recompile_limit_errors where torch._dynamo.exc lacks FailOnRecompileLimitHit: nothing to catch."""
+    assert kernels.recompile_limit_errors() == (torch._dynamo.exc.FailOnRecompileLimitHit,)
+    monkeypatch.delattr(torch._dynamo.exc, "FailOnRecompileLimitHit")
+    assert kernels.recompile_limit_errors() == ()

@@ -44,8 +44,8 @@ from needle_torch.v2 import (
     walsh_transform,
 )
 from needle_torch.v2 import model as v2_model
-from needle_torch.v2.engram import engram_history_masks
-from needle_torch.v2.lanes import mix_out, project, route
+from needle_torch.v2.generate import engram_history_masks
+from needle_torch.v2.lanes import project, route, write_lanes
 
 jax.config.update("jax_default_matmul_precision", "highest")
 torch.set_float32_matmul_precision("highest")  # float32 parity: no TF32 / reduced-precision passes
@@ -510,8 +510,8 @@ def test_compiled_walsh_and_lane_mix_are_the_eager_functions(monkeypatch):
     lanes, y = torch.randn(2, 3, 4, 32, generator=g), torch.randn(2, 3, 32, generator=g)
     hr, hp, ln, yy = (a.double().numpy() for a in (hres, hpost, lanes, y))
     exact = np.einsum("btij,btjc->btic", hr, ln) + hp[..., None] * yy[:, :, None]
-    got = torch.compile(mix_out, fullgraph=True, dynamic=False)(hres, hpost, lanes, y, torch.float32)
-    assert rel(got, exact) <= 1e-6 and rel(mix_out(hres, hpost, lanes, y, torch.float32), exact) <= 1e-6
+    got = torch.compile(write_lanes, fullgraph=True, dynamic=False)(hres, lanes, hpost, y, torch.float32)
+    assert rel(got, exact) <= 1e-6 and rel(write_lanes(hres, lanes, hpost, y, torch.float32), exact) <= 1e-6
 
 
 @pytest.mark.slow
@@ -574,7 +574,7 @@ def test_the_routing_projections_are_each_phi_product_eager_and_stacked_when_com
 
 @pytest.mark.slow
 def test_the_routing_logits_of_the_lanes_are_their_rms_unit_times_each_phi():
-    """lanes.route: x̂ φ for each φ with x̂ = rms_unit of the flattened lanes; eagerly project(flatten_lanes(..)),
+    """lanes.route: x̂ φ for each φ with x̂ = rms_unit of the flattened lanes; eagerly project(flat_lanes(..)),
     compiled for CPU at 6 float32 rows the product of the lanes themselves times rms_unit's factor per row (bf16
     lanes: project's product of x̂), at 3 the fused multiply-and-sum of x̂. Each within 1e-6 of float64 (float32
     sums of 256 terms, the factor rounded once more; measured <= 3e-7): the factor left out would be off by the
