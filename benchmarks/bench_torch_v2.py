@@ -74,6 +74,7 @@ from needle_torch.fast.kernels import (  # noqa: E402
     F32_PATH_ENV,
     bf16_path,
     cpu_flags,
+    cpuinfo,
     decide_bf16_path,
     f32_path,
 )
@@ -84,8 +85,10 @@ from needle_torch.v2 import SimpleAttentionNetwork  # noqa: E402
 # Issue 14's figures for upstream: decode tok/s of the batch-1 loop, its prefill ms, the batch-32 rollout's steps-only
 # and end-to-end tok/s.
 UPSTREAM = {"loop_b1": 12.1, "prefill_ms": 412.0, "steps_b32": 69.0, "rollout_b32": 47.7}
-MODES = {"eager": False, "compiled": True, "compiled-all": "all", "traced": True}  # generate's compile argument
-DEFAULT_MODES = ["eager", "compiled", "compiled-all"]
+# generate's (compile, fast) arguments per mode; plain-*: every form of needle_torch.fast off (the baseline)
+MODES = {"eager": (False, True), "compiled": (True, True), "compiled-all": ("all", True), "traced": (True, True),
+         "plain-eager": (False, False), "plain-compiled": (True, False), "plain-compiled-all": ("all", False)}
+DEFAULT_MODES = ["eager", "compiled", "compiled-all", "plain-compiled", "plain-compiled-all"]
 # An AVX2-only CPU's code on this one. Without TORCHINDUCTOR_CPP_MARCH inductor builds with -march=native, and on an
 # AVX-512 CPU its 8-float AVX2 vectors still get EVEX encodings and 32 registers (the prefill attention kernel's code
 # used ymm16-31 in 105 instructions), which a real AVX2 CPU does not have.
@@ -151,7 +154,8 @@ def step_bytes(cfg, batch: int, prompt: int, new: int, item: int) -> int:
 # ----------------------------------------------------------------------------- one process: the cells of one setting
 
 
-def run_v2(dtype: str, batch: int, compile: bool | str, args) -> dict:
+def run_v2(dtype: str, batch: int, mode: tuple[bool | str, bool], args) -> dict:
+    compile, fast = mode
     cfg = NEEDLE_V2_PUBLISHED
     model = SimpleAttentionNetwork.from_flax(random_flax_params(cfg, seed=0, groups=()), cfg, dtype=dtype)
     rng = np.random.default_rng(1)
@@ -164,7 +168,7 @@ def run_v2(dtype: str, batch: int, compile: bool | str, args) -> dict:
         """(prefill s = time to the first token, decode s for the G - 1 steps after it)."""
         stamps = []
         start = time.perf_counter()
-        model.generate(prompts, G, eos_token_id=None, compile=compile,
+        model.generate(prompts, G, eos_token_id=None, compile=compile, fast=fast,
                        streamer=lambda _: stamps.append(time.perf_counter()))
         return stamps[0] - start, stamps[-1] - stamps[0]
 
@@ -173,7 +177,8 @@ def run_v2(dtype: str, batch: int, compile: bool | str, args) -> dict:
     warm = min(p + d for p, d in runs)
     prefill, decode = min(p for p, _ in runs), min(d for _, d in runs)
     item = torch.finfo(model.dtype).bits // 8
-    step = "eager" if compile is False else "kernels" if cpu_decode.applies(model, batch) else "torch.compile"
+    step = ("eager" if compile is False else "kernels" if fast and cpu_decode.applies(model, batch)
+            else "torch.compile" if fast else "plain torch.compile")
     return {"step": step, "tok_s": batch * (G - 1) / decode, "e2e_tok_s": batch * G / warm, "prefill_ms": 1e3 * prefill,
             "compile_s": first - warm if compile is not False else None,
             "bytes": step_bytes(cfg, batch, args.prompt_len, G, item)}
@@ -292,6 +297,8 @@ def main() -> None:
     parser.add_argument("--upstream", nargs="+", default=[], metavar="KEY=VALUE",
                         help="upstream's figures measured on this machine (benchmarks/bench_flax_v2.py) in place of "
                              f"the issue's: keys {', '.join(UPSTREAM)}")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="where the results go as JSON (default benchmarks/results/torch-v2-<UTC time>.json)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cells", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -304,6 +311,8 @@ def main() -> None:
     print(f"runtime settings ({', '.join(RUNTIME_ENV)}): {runtime_settings(os.environ)}")
     kinds = [(name, env) for key, name, env in (("this", "this CPU", {}), ("avx2", "AVX2-only (emulated)", AVX2_ENV))
              if key in args.kinds and (key == "this" or args.emulate)]
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    runs = []
     for kind, env in kinds:
         for dtype in args.dtype:
             paths = args.bf16_paths if dtype == "bfloat16" else [""]  # float32 takes no bf16 path
@@ -316,7 +325,47 @@ def main() -> None:
                                         **({F32_PATH_ENV: f32} if f32 else {})}, args)
                     for line in report(kind, res, args.new_tokens):
                         print(line, flush=True)
+                    runs.append(result_record(kind, env, res))
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    default = REPO / "benchmarks" / "results" / f"torch-v2-{started.replace(':', '')}.json"
+    path = Path(args.json) if args.json else default
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": "torch-v2", "date": started, "command": " ".join(
+        ["python", "benchmarks/bench_torch_v2.py", *sys.argv[1:]]), "machine": machine(), "threads": args.threads,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "runtime_settings": runtime_settings(os.environ), "runs": runs}, indent=1) + "\n")
+    print(f"results: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+
+
+def machine() -> dict:
+    """The CPU, its flags that decide the kernels' paths, the core count and torch's version."""
+    flags = cpu_flags()
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+    return {"cpu": cpuinfo("model name") or "unknown", "vendor": cpuinfo("vendor_id") or "unknown",
+            "cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags], "torch": torch.__version__}
+
+
+def result_record(kind: str, env: dict, res: dict) -> dict:
+    """One process's figures for the JSON results: each cell with its share of the memory bound, and each fast mode's
+    ratio to its plain twin (plain-compiled for compiled, plain-compiled-all for compiled-all) where both ran."""
+    cells = {}
+    for spec, c in res["cells"].items():
+        if spec == "v1":
+            cells[spec] = c
+            continue
+        dtype, batch, mode = spec.split(",")
+        bound = int(batch) * res["bandwidth"] / c["bytes"]
+        cells[spec] = {**c, "dtype": dtype, "batch": int(batch), "mode": mode, "bound_tok_s": bound,
+                       "of_bound": c["tok_s"] / bound}
+    for spec, c in list(cells.items()):
+        plain = cells.get(spec.replace(f",{c.get('mode')}", f",plain-{c.get('mode')}")) if "mode" in c else None
+        if plain is not None and not c["mode"].startswith("plain"):
+            c["vs_plain"] = {"tok_s": c["tok_s"] / plain["tok_s"], "e2e_tok_s": c["e2e_tok_s"] / plain["e2e_tok_s"],
+                             "prefill": plain["prefill_ms"] / c["prefill_ms"]}
+    return {"kind": kind, "env": env, "bf16_path": res["path"], "bf16_reason": res["reason"],
+            "features": res["features"], "aten": res["capability"], "f32_path": res["f32"],
+            "bandwidth_bytes_s": res["bandwidth"], "load_before": res["load_before"], "load_after": res["load_after"],
+            "cells": cells}
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ ONE_SIDED = {
          "write_kv",  # Flax writes the cache with lax.dynamic_update_slice inline (_write_kv)
          "sigmoid", "silu",  # XLA:CPU's bf16 roundings of jax.nn.sigmoid and silu, written out
          "walsh_factors", "prepare_walsh", "walsh_transform",  # the Walsh product's forms and its cache
-         "QUERY_BLOCK", "cpu_prefill_blocks", "dot_product_attention",  # upstream's attention written out
+         "QUERY_BLOCK", "dot_product_attention",  # upstream's attention written out
          "decode_layer"),  # one lane layer of a cached step, a nested compile region
     ),
     ("v2", "lanes.py"): ((), (
@@ -44,7 +44,7 @@ ONE_SIDED = {
     ("v2", "engram.py"): ((), ("MASK32",)),  # torch has no uint32: the hash wraps through a mask
     ("v2", "generate.py"): (
         ("new_cache", "decode_step"),  # the torch twin's are methods of SimpleAttentionNetwork
-        ("STEP_OPTIONS", "PREFILL_OPTIONS", "options",  # inductor's settings for the compiled passes
+        ("STEP_OPTIONS", "options",  # inductor's settings for the compiled passes
          "prefill_in_chunks", "compile_choice"),  # the torch loop's compile choice and chunked prefill
     ),
 }

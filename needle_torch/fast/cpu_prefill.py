@@ -1,7 +1,7 @@
 """Torch-only speed code: a cached prefill's causal attention as one C++ kernel, for compiled CPU graphs.
 
 The kernel (csrc/prefill_attention.cpp) computes what model.dot_product_attention computes for a causal float32
-prefill through SDPA in blocks of queries (model.cpu_prefill_blocks): per block the keys up to its last query, logits
+prefill through SDPA, in blocks of model.QUERY_BLOCK queries: per block the keys up to its last query, logits
 q·kᵀ/√h plus the additive mask (0 or float32's lowest), softmax, p·v; the weights normalised after p·v, the same
 function up to the order of the float32 operations. Its bf16 build computes the twin's bf16 flash attention (float32
 logits and softmax of the bf16 q and k, the weights rounded to bf16, p·v summed in float32 and rounded once), for

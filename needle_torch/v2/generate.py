@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from convert.errors import GenerationError
 from convert.v2.config import ENGRAM_TAPS, TransformerConfig
 from convert.v2.generation import check_generate_args, prompt_validity
-from needle_torch.fast import cpu_decode, cpu_hadamard, cpu_prefill, cpu_route, cpu_sinkhorn
+from needle_torch.fast import cpu_decode, cpu_hadamard, cpu_prefill, cpu_sinkhorn
 from needle_torch.fast.kernels import CompiledStep, enabled, fast_paths, prefill_rows
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2.engram import shift_right
@@ -34,15 +34,6 @@ Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of 
 # that read it (a normed input was re-normed once per output row of every projection): 10.5 -> 8.4 ms; no size
 # or alignment asserts in the wrapper (thousands of Python calls a step across 27 layers): 14.3 -> 12.5 ms.
 STEP_OPTIONS = {"realize_cpu_opcount_threshold": 8, "size_asserts": False}
-# The compiled prefill's: the step's, and every fused kernel's loops in the order of its output's layout instead of
-# the order inductor picks from the strides of its reads. The lane mix (write_lanes) reads the (n, n) routing weights
-# token-innermost (Sinkhorn's compiled layout), so the picked order ran lane-outermost and read all the lanes once
-# per output lane: 4.4-5.1 against 2.2 ms a layer for 2048 tokens. Batch-32 compiled prefills of 256 tokens at the
-# published size, 2 threads of a 2-core Zen 4 EPYC, the two option sets alternating in one process: float32 fused
-# kernels 1260 against 897 ms in all (profiled, medians of 4), wall 6.02 against 5.62 s (medians of 8, a noisy host);
-# bf16 4.59 against 4.08 s (medians of 10); batch 1 unchanged (float32 185 against 182 ms, bf16 122 against 124 ms).
-# The decode step keeps inductor's picks: batch-32 float32 steps 50.9 against 50.5 ms, within noise.
-PREFILL_OPTIONS = {**STEP_OPTIONS, "pick_loop_orders": False}
 
 
 # ----------------------------------------------------------------------------- masks and the cache
@@ -151,7 +142,7 @@ def prefill_in_chunks(model: nn.Module, prompts: Tensor, cache, compiled: bool =
     for start in range(0, B, rows):
         n = min(rows, B - start)
         if n not in passes:
-            passes[n] = CompiledStep(_prefill, options(PREFILL_OPTIONS)) if compiled else _prefill
+            passes[n] = CompiledStep(_prefill, options(STEP_OPTIONS)) if compiled else _prefill
         out.append(passes[n](model, prompts[start:start + n], cache if n == B else cache.rows(start, start + n)))
     return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -290,8 +281,7 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     dtype (STEP_OPTIONS); from cpu_attention.MIN_UNITS rows x kv heads on (batch 8 at the published size), the
     attention is a C++ kernel of the same arithmetic instead (cpu_attention: batch 32 float32 steps 18 % faster);
     above REDUCE_MAX_ROWS rows, in steps and compiled prefills, so are the lane routing's Sinkhorn (cpu_sinkhorn),
-    the Hadamard MLP (cpu_hadamard, float32 and bf16) and in bf16, where the CPU has the AVX512-BF16 dot products,
-    the lane routing's projections (cpu_route), each built once per width before the first compile; a compiled
+    the Hadamard MLP (cpu_hadamard, float32 and bf16), each built once per width before the first compile; a compiled
     prefill's attention is one too (cpu_prefill).
     Compiles once per (batch, buffer length, dtype, greedy or sampled); later requests reuse the graph, guards
     checked on their first step only (kernels.CompiledStep: not for concurrent threads). float32 logits stay within
@@ -327,10 +317,9 @@ def _generate(model, tokens, max_new_tokens, kv_window, temperature, seed, sink,
     fused = step_compiled and cpu_decode.applies(model, B)  # the C++ layer kernel instead of torch.compile
     traced = step_compiled and not fused
     cfg = model.config
-    if traced or prefill_compiled:  # the kernels those graphs call (the Sinkhorn; the Hadamard MLP; the routing)
+    if traced or prefill_compiled:  # the kernels those graphs call (the Sinkhorn; the Hadamard MLP)
         cpu_sinkhorn.prepare(cfg.mhc_lanes, device)
         cpu_hadamard.prepare(cfg.d_model, cfg.hada_dim, model.dtype, device)
-        cpu_route.prepare(cfg.mhc_lanes, cfg.d_model, model.dtype, device)
     if prefill_compiled:  # float32: the prefill's attention
         cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
     cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=traced, fused=fused)

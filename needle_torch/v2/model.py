@@ -32,7 +32,6 @@ from needle_torch.fast.kernels import (
     Linear,
     as_reduction,
     compiling_for_cpu,
-    enabled,
     matmul_nt,
     reduces_when_compiled,
     repeated_region,
@@ -110,55 +109,22 @@ def silu(x: Tensor) -> Tensor:
     return x * sigmoid(x)
 
 
-# A causal prefill's queries run through SDPA in blocks of this many rows, each over the keys up to its last query only
-# (cpu_prefill_blocks): the library's CPU kernel takes all the keys of a short sequence as one block and computes the
-# masked half too. Float32 SDPA, shape (8, 8, 256, 64) with 4 kv heads, one causal prefill chunk at the published size,
-# 2 threads of a 2-core Zen 4 EPYC (medians of 15 in turn): one call 8.97 ms, blocks of 128 rows 9.01, of 64 7.97,
-# of 32 7.32; (2, 8, 1024, 64): 35.7 against 24.1 ms with blocks of 32, 23.4 of 64 (a noisier spell). Inside the
-# batch-32 compiled prefill of 256-token prompts (profiled, medians of 6, one process alternating): SDPA 1029 against
-# 873 ms in float32, 1086 against 838 ms in bf16; whole prefills on this noisy host could not show the ~3 %.
-QUERY_BLOCK = 32
-
-
-def cpu_prefill_blocks(q: Tensor, k: Tensor, causal: bool) -> list[tuple[int, int, int]]:
-    """(first query, end query, end key) of each block of at most QUERY_BLOCK query rows that reads only the keys up
-    to its last query, where that applies (CPU, causal, more rows than one block); else one block over all keys.
-    causal: the mask hides every key after its query, and the T queries are the last T of the S keys."""
-    T, S = q.shape[2], k.shape[2]
-    if not causal or q.device.type != "cpu" or T <= QUERY_BLOCK or not enabled():
-        return [(0, T, S)]
-    return [(a, min(T, a + QUERY_BLOCK), S - T + min(T, a + QUERY_BLOCK)) for a in range(0, T, QUERY_BLOCK)]
+QUERY_BLOCK = 32  # query rows per block of the C++ prefill attention (cpu_prefill), each over the keys up to its last
 
 
 def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: bool = True,
                           causal: bool = False) -> Tensor:
     """Upstream's attention of q (B, H, T, h) over k, v (B, K, S, h); mask bool (B|1, 1, T, S), True = attend.
 
-    Query head j reads kv head j // (H/K) (consecutive GQA). Masked logits take a large finite negative
-    (never -inf), so a fully masked row is a uniform average, never NaN. float32: one function for upstream's
-    two paths (bit-identical on CPU), through SDPA with an additive finfo.min mask, which equals
-    where(mask, s, min) exactly (|s| is far below min's spacing) and keeps a fully masked row uniform.
-    Other dtypes: each path as upstream computes it (they differ in bf16) -> flash: f32 logits of the dtype's
-    q, k, f32 softmax, probabilities cast to v's dtype, p·v in that dtype; non-flash: q·kᵀ rounded to the
-    dtype, then f32 (the f32 √h promotes), f32 softmax, p·v in float32 (f32 output). Under torch.compile, few
-    queries per row (a decode step, any batch) take the explicit path with multiply-and-sum products (float32
-    too: the same function as SDPA up to the order of the float32 sums), fused with the mask and softmax, which
-    read the K/V cache once in its own dtype instead of upcasting all of it for a library product. Also under
-    torch.compile on a CPU with bf16 units (kernels.bf16_path native) and AMX tiles, bf16 flash attention over many
-    queries (a compiled prefill) runs through SDPA's fused kernel with the bias FLASH_NEG: float32 logits and softmax,
-    bf16 p·v, but the probabilities are rounded to bf16 before their normalisation rather than after (max|Δ|/max|ref|
-    3.7e-3 from eager, ~one bf16 ulp, within the compiled step's bf16 drift); it took 54-78 against 139-144 ms for the
-    batch-32 prefill of 256 tokens. A compiled CPU step over many rows (cpu_attention.applies: at least
-    cpu_attention.MIN_UNITS rows x kv heads, flash) calls the C++ kernel of cpu_attention instead, the same flash
-    arithmetic streaming the cache once per kv head. causal: the mask hides every key after its query and the T queries
-    are the last T of the S keys (a cached prefill); SDPA on CPU then runs in blocks of QUERY_BLOCK queries over the
-    keys up to each block's last (cpu_prefill_blocks), the same function up to the order of the float32 sums (3e-7 of
-    O(1) outputs); a compiled float32 one calls the C++ kernel of cpu_prefill for the same blocks (logits and p·v as
-    register tiles: the batch-32 prefill 4.47 against 4.92 s), and so does a compiled bf16 flash one where the CPU has
-    no bf16 units (its bf16 build: this function's bf16 flash arithmetic, the same roundings; the batch-32 prefill as
-    AVX2 code 4.5 against 6.3 s) or has the AVX512-BF16 dot products without AMX (the same build on those dot products:
-    a layer of a prefill chunk 2.7 against 6.2-6.5 ms for SDPA's fused bf16 blocks, and eager's roundings where SDPA's
-    differ)."""
+    Query head j reads kv head j // g (consecutive GQA). Masked logits take a large finite negative (never -inf), so
+    a fully masked row is a uniform average, never NaN. float32: one function for upstream's two paths, through SDPA
+    with an additive finfo.min mask (equal to where(mask, s, min) exactly). Other dtypes: each path as upstream
+    computes it (they differ in bf16) -> flash: f32 logits of the dtype's q, k, f32 softmax, probabilities cast to
+    v's dtype, p·v in that dtype; non-flash: q·kᵀ rounded to the dtype, then f32, f32 softmax, p·v in float32.
+    causal: the mask hides every key after its query and the T queries are the last T of the S keys (a cached
+    prefill). Compiled CPU graphs take needle_torch.fast's forms of the same function where they apply: fused
+    multiply-and-sums for few queries, the C++ kernels of cpu_attention (steps of many rows) and cpu_prefill (causal
+    prefills, in blocks of QUERY_BLOCK queries), SDPA's fused bf16 kernel where the CPU has bf16 units."""
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
     reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
@@ -172,11 +138,8 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     fused_bf16 = q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device)
     if (q.dtype == torch.float32 or fused_bf16) and not reduce:
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, low)
-        blocks = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :end], v[:, :, :end],
-                                                 attn_mask=bias[:, :, a:b, :end], scale=1 / math.sqrt(h),
-                                                 enable_gqa=H != K)
-                  for a, b, end in cpu_prefill_blocks(q, k, causal)]  # (B, H, b - a, h) each
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1 / math.sqrt(h),
+                                              enable_gqa=H != K)  # (B, H, T, h)
     g = H // K
     qg = q.reshape(B, K, g * T, h)  # (B, K, g·T, h): query heads k·g .. k·g + g-1 read kv head k
     m = mask[:, :, None]  # (B|1, 1, 1, T, S)
@@ -288,16 +251,11 @@ def prepare_walsh(size: int, dtype: torch.dtype, device) -> None:
 def walsh_transform(x: Tensor) -> Tensor:
     """x · cast_dtype(H_P) over the last axis: upstream's dense product in x's dtype (float32 accumulation).
 
-    Eagerly kept dense on purpose: one GEMM (tensor cores on a GPU) that keeps bf16 layers bit-identical to
-    upstream's eager ones. Under torch.compile on CPU, rows of many tokens (a prefill, a batch-32 step) take the
-    Kronecker form instead, H_P = A ⊗ B (walsh_factors): X (rows, a, P/a) -> A·(X·B) in float32, rounded once to
-    x's dtype, the same function up to the order of the float32 sums (max|Δ|/max|ref| 4.4e-7 for the Hadamard
-    MLP at P = 512; in bf16 it can move an element by one ulp, within the compiled step's own bf16 drift) at
-    a·(P/a)·(a + P/a) = 24 K multiply-adds a row instead of 262 K: the compiled MLP at P = 512, 8192 rows took
-    12.3 against 50.1 ms in float32 and 12.1 against 23.6 ms in bf16, at 32 rows 0.14 against 0.47 ms (f32),
-    2 threads. A compiled step of few rows (kernels.as_reduction) keeps the dense form as one fused reduction,
-    where the factored one measured no faster. On a CPU without bf16 units the eager bf16 product runs as a
-    float32 one on upcast operands (kernels.bf16_path)."""
+    Eagerly dense on purpose (bf16 layers stay bit-identical to upstream's eager ones). Compiled for CPU, a step of
+    few rows keeps the dense form as one fused reduction; more rows take the Kronecker form H_P = A ⊗ B
+    (walsh_factors) in float32, rounded once: the same function up to the order of the float32 sums, with
+    a·(P/a)·(a + P/a) multiply-adds a row instead of P². On a CPU without bf16 units the eager bf16 product runs as
+    a float32 one on upcast operands (kernels.bf16_path)."""
     P = x.shape[-1]
     rows = x.shape[:-1].numel()
     if as_reduction(rows, x.device):  # a compiled decode step: H read once, fused (H = Hᵀ)

@@ -258,9 +258,8 @@ def test_cached_equals_recompute_at_every_step_on_random_models(name):
 
 
 def test_prompts_longer_than_a_query_block_decode_as_the_recompute_loop():
-    """Prompts of more than model.QUERY_BLOCK tokens: the cached prefill's attention runs in query blocks over
-    the earlier keys only (cpu_prefill_blocks); its logits at every step stay within the float32 budget of the
-    recompute loop's, left-padded rows included."""
+    """Prompts of more than model.QUERY_BLOCK tokens (the C++ prefill attention's block): the cached prefill's logits
+    at every step stay within the float32 budget of the recompute loop's, left-padded rows included."""
     config = TransformerConfig(max_seq_len=96, dtype="float32", **RANDOM_CONFIGS["gqa-3lanes-1site-orders234"])
     model = SimpleAttentionNetwork.from_flax(random_flax_params(config, seed=7, std=0.2, groups=()), config)
     prompts = left_padded(config.vocab_size, [80, 47], seed=5)
