@@ -29,10 +29,8 @@ from needle_torch.v2.engram import shift_right
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
 
-# Inductor settings for the compiled step, measured at the published size (bf16, batch 1, one thread, CPU time a
-# step): materialise any fused expression of more than 8 ops instead of recomputing it inside the reductions
-# that read it (a normed input was re-normed once per output row of every projection): 10.5 -> 8.4 ms; no size
-# or alignment asserts in the wrapper (thousands of Python calls a step across 27 layers): 14.3 -> 12.5 ms.
+# Inductor settings for the compiled passes: materialise a fused expression of more than 8 ops rather than recompute
+# it inside every reduction that reads it, and no size asserts in the wrapper (thousands of Python calls a step).
 STEP_OPTIONS = {"realize_cpu_opcount_threshold": 8, "size_asserts": False}
 
 
@@ -264,39 +262,17 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     fewer when every row stopped early); return_logprobs: the chosen tokens' log_softmax of the *unscaled*
     logits (B, steps), 0 after a row's EOS. The result is (tokens, logits, logprobs) with the requested ones.
     streamer: called with each step's (B,) tokens on the CPU, in order.
-    compile: the fast step. On CPU at <= cpu_decode.max_rows rows (16; 32 for bf16 where its products run on the
-    CPU's bf16 units: batch 32 48.0 against 70.7 ms a step for the torch.compile one on AMX tiles, 26.9-30.8 against
-    32.8-39.7 ms with the AVX512-BF16 dot products alone), float32 or bf16, the twin's own plain modules (no hooks, no
-    LoRA wrappers), every step runs through the C++ kernels of cpu_decode instead of a graph:
-    the engram sites, the lane layers (one call), the logits; eager's roundings, float32 sums in another order (f32
-    logits within 1e-6 of eager on the fixture, bf16 layers bit for bit on the test models). At the published size
-    on a 2-core AMX Xeon, batch 1, the kernels' steps against the torch.compile step side by side: float32 69.9
-    against 43.6 tok/s, bf16 115.2 against 53.0 (65 % of the memory bound measured in the same process), with no
-    graph to compile (the kernels build once, ~25-35 s cold, then come from inductor's disk cache). Elsewhere (more
-    rows, CUDA, another dtype or a width the kernels do not take): every step and its choice as one torch.compile
-    graph (a 0-d position tensor and a static cache, so one graph serves every step; the prefill stays eager). The
-    lane layer is a nested compile region (model.decode_layer) traced once for all layers, so compiling takes ~30-60
-    s at the published size on 2 cores, not minutes. On CPU the attention over the cache, and at <=
-    kernels.REDUCE_MAX_ROWS rows every product, are fused multiply-and-sums that read weights and cache in their own
-    dtype (STEP_OPTIONS); from cpu_attention.MIN_UNITS rows x kv heads on (batch 8 at the published size), the
-    attention is a C++ kernel of the same arithmetic instead (cpu_attention: batch 32 float32 steps 18 % faster);
-    above REDUCE_MAX_ROWS rows, in steps and compiled prefills, so are the lane routing's Sinkhorn (cpu_sinkhorn),
-    the Hadamard MLP (cpu_hadamard, float32 and bf16), each built once per width before the first compile; a compiled
-    prefill's attention is one too (cpu_prefill).
+    compile: True compiles the decoding steps, "all" the prefill too (once per chunk rows, prompt length, buffer
+    length and dtype: it pays where requests repeat a shape). With fast on, a CPU step of at most
+    cpu_decode.max_rows rows (float32 or bf16, the twin's own modules without hooks or LoRA wrappers) runs through
+    the C++ kernels of cpu_decode instead of a graph; otherwise every step and its choice is one torch.compile graph
+    (a 0-d position tensor and a static cache, so one graph serves every step; the lane layer a nested compile
+    region traced once for all layers), in which needle_torch.fast's forms replace the pieces they apply to.
     Compiles once per (batch, buffer length, dtype, greedy or sampled); later requests reuse the graph, guards
     checked on their first step only (kernels.CompiledStep: not for concurrent threads). float32 logits stay within
-    1e-6 of eager (6.5e-7 on the fixture; with the kernel, whose rounding is not SDPA's though as close to a float64
-    attention, 1.2e-6, and upstream's within 1e-5); in bfloat16 the compiled step keeps some intermediates in
-    float32, as XLA's jit does, so logits move by ~1-3e-2 relative from eager (fixture), within upstream's own
-    eager-vs-jit gap, and a greedy row can take another token where bf16 does not decide the choice.
-    compile="all": the prefill too, as one more torch.compile graph (upstream jits its prefill as well), compiled
-    once per (prefill chunk rows, prompt length, buffer length, dtype), so it pays where requests repeat a shape
-    (left-pad the prompts to one length, as upstream's pad_to does): at the published size on 2 cores the
-    batch-32 prefill of 256-token prompts took 5.5-5.9 s against 10.0-11.0 s eager in float32 and 4.1-4.5 against
-    7.7-8.1 s in bf16 (kernels.PREFILL_TOKENS), batch 1's 120-235 against 320-400 ms, for 55-90 s more compile
-    (benchmarks/bench_torch_v2.py; the eager ops of the lane routing and mixing fuse, and compiled CPU code takes
-    the Kronecker Walsh form and, in bf16, SDPA's attention). Not the default: a single request would wait longer
-    than it saves.
+    1e-6 of eager (upstream's within 1e-5); in bfloat16 the compiled step keeps some intermediates in float32, as
+    XLA's jit does, so logits move by ~1-3e-2 relative from eager, within upstream's own eager-vs-jit gap, and a
+    greedy row can take another token where bf16 does not decide the choice.
     fast: the speed forms of needle_torch.fast (C++ kernels, packed and reduced products, the CPU's bf16 path);
     False runs the plain modules as written, eagerly or under a plain torch.compile (no inductor options): the
     baseline every fast form is measured against. The same function either way (float32 sums in another order).
