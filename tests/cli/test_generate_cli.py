@@ -21,7 +21,7 @@ FIXTURE = np.load(REPO / "tests" / "data" / "needle-v1-tiny.npz")
 SPECIAL = "0 1 2 3 4 5"  # what the fixture's greedy loop never chose
 
 # `--compile` runs must test compiled code: a fallback to eager past dynamo's recompile limit fails them.
-pytestmark = pytest.mark.filterwarnings("error::needle_torch.kernels.CompileFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::needle_torch.fast.kernels.CompileFallbackWarning")
 
 
 def _row(r: int) -> tuple[str, list[int]]:
