@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import json
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import typer
 
 from convert import commands
 from convert.errors import NeedleTwinError
-from convert.registry import family_named
+from convert.registry import FAMILIES, family_named
 
 
 def _package_version() -> str:
@@ -71,6 +72,51 @@ def guarded(fn: Callable) -> Callable:
     return wrapper
 
 
+def family_options(command: str) -> Callable:
+    """Add the options every family declares for `command` (`Family.<command>_options`) to a command function; it
+    receives them as one dict, `family_options`, each None (False for a flag) when not given."""
+    declared: dict[str, list] = {}
+    for family in FAMILIES.values():
+        for option in getattr(family, f"{command}_options"):
+            declared.setdefault(option.name, []).append((family, option))
+
+    def parameter(name: str, uses: list) -> inspect.Parameter:
+        first = uses[0][1]
+        if any(o.type is not first.type for _, o in uses):
+            raise TypeError(f"families declare --{name} with different types")  # a declaration bug, not user input
+        text = "; ".join(f"{f.title}: {o.help}" + ("" if o.default in (None, False) else f" (default {o.default})")
+                         for f, o in uses)
+        flag = first.type is bool
+        info = typer.Option(first.flag, help=text[0].upper() + text[1:] + ".", min=None if flag else first.min)
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=False if flag else None,
+                                 annotation=Annotated[bool if flag else Optional[first.type], info])
+
+    def decorate(fn: Callable) -> Callable:
+        signature = inspect.signature(fn, eval_str=True)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, family_options={name: kwargs.pop(name) for name in declared}, **kwargs)
+
+        own = [p for name, p in signature.parameters.items() if name != "family_options"]
+        wrapper.__signature__ = signature.replace(parameters=own + [parameter(n, u) for n, u in declared.items()])
+        wrapper.__annotations__ = {}  # typer reads the signature's
+        return wrapper
+
+    return decorate
+
+
+def generate_options_of(family, given: dict) -> dict:
+    """The `generate` options `family` declares, out of `given`; an error naming any other family's given."""
+    mine = {o.name for o in family.generate_options}
+    wrong = ["--" + name.replace("_", "-") for name, value in given.items()
+             if name not in mine and value not in (None, False)]
+    if wrong:
+        raise NeedleTwinError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to "
+                              f"{family.title} generation; drop it")
+    return {name: given[name] for name in mine}
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"needle-twin {__version__}")
@@ -86,7 +132,7 @@ def _root(
     """Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2)."""
 
 
-# --- convert commands (issue 3): convert, inspect, diff ---
+# --- convert commands: convert, inspect, diff ---
 
 _CONFIG_HELP = "JSON config for a checkpoint that carries none (torch .pt, bare safetensors, bare msgpack/Orbax)."
 
@@ -242,7 +288,7 @@ def diff_command(
     if not r.identical:
         raise typer.Exit(1)
 
-# --- parity commands (issue 4): parity, rescore ---
+# --- parity commands: parity, rescore ---
 
 _TOL = "Tolerance overrides"
 
@@ -277,6 +323,7 @@ _GRAD_RTOL = typer.Option("--grad-rtol", help="Override the gradient budgets (re
 
 @app.command("parity")
 @guarded
+@family_options("parity")
 def parity_command(
     flax_ckpt: Annotated[Optional[str], typer.Argument(
         metavar="[FLAX_CKPT]", help="Flax/upstream checkpoint of any family (any readable format; the family is read "
@@ -285,20 +332,14 @@ def parity_command(
     torch_ckpt: Annotated[Optional[str], typer.Option(
         "--torch", help="Check this independently converted torch checkpoint instead of converting in memory.")] = None,
     family: Annotated[Optional[str], typer.Option(
-        "--family", help="The embedded default model's family when no checkpoint is given: v2 (default: Needle 2, "
-                         "'base', 45M) or v1 (26.3M).")] = None,
+        "--family", help=f"The embedded default model's family when no checkpoint is given: "
+                         f"{', '.join(FAMILIES)} (default v2, Needle 2 'base', 45M).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype of both twins: float32, bfloat16, float16.")
                      ] = "float32",
     mode: Annotated[str, typer.Option("--mode", help="propagated: both run end to end (drift budget); isolated: "
                                                      "each torch stage gets the Flax stage's input (local budget).")
                     ] = "propagated",
     batch: Annotated[int, typer.Option("--batch", help="Rows of the random batch.")] = 4,
-    src_len: Annotated[Optional[int], typer.Option(
-        "--src-len", help="v1: encoder length of the random batch (default 64).")] = None,
-    tgt_len: Annotated[Optional[int], typer.Option(
-        "--tgt-len", help="v1: decoder length of the random batch, or of a generated tgt (default 32).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(
-        "--seq-len", help="Needle 2: sequence length of the random batch (default 64).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
     inputs: Annotated[Optional[str], typer.Option(
         "--inputs", help="Token ids: .npy (src), .npz (src, tgt) or .json ({\"src\": rows, \"tgt\": rows}).")] = None,
@@ -322,6 +363,9 @@ def parity_command(
     suppress_special: Annotated[Optional[bool], typer.Option(
         "--suppress-special/--allow-special", help="Keep greedy generation off the special ids (default: only for the "
                                                    "embedded random model, which would stop at EOS at once).")] = None,
+    depth: Annotated[Optional[str], typer.Option(
+        "--depth", help="Needle 3: also compare the twins at ladder rung d (exit_depth and subnetwork_only logits), "
+                        "or at every rung 2..L with 'all'.")] = None,
     lora: Annotated[Optional[str], typer.Option(
         "--lora", help="Needle 2: a LoRA adapter (pickle or PEFT dir) for the checkpoint; compare its A/B gradients "
                        "(Flax: upstream's merge in the loss; torch: PEFT).")] = None,
@@ -331,6 +375,7 @@ def parity_command(
     atol: Annotated[Optional[float], _ATOL] = None,
     kl_max: Annotated[Optional[float], _KL] = None,
     grad_rtol: Annotated[Optional[float], _GRAD_RTOL] = None,
+    family_options: Optional[dict] = None,
 ) -> None:
     """Prove the torch and Flax twins compute the same function, probe by probe; name where they part.
 
@@ -340,13 +385,13 @@ def parity_command(
 
     if precision not in ("highest", "default"):
         raise NeedleTwinError(f"--precision {precision!r} is not one of highest, default")
-    report = parity.parity(
-        flax_ckpt, torch_ckpt=torch_ckpt, family=family, dtype=dtype, mode=mode, batch=batch, src_len=src_len,
-        tgt_len=tgt_len, seq_len=seq_len, seed=seed, inputs=inputs, tokenizer=tokenizer, queries=query or (),
-        tools=tools, json_path=json_path,
-        html_path=html_path, force=force, torch_device=torch_device, jax_platform=jax_platform,
-        pin_precision=precision == "highest", grads=grads, generate=generate, suppress_special=suppress_special,
-        overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol), lora=lora)
+    report = parity.parity(parity.ParityRequest(
+        flax_ckpt, torch_ckpt=torch_ckpt, family=family, dtype=dtype, mode=mode, batch=batch,
+        lengths=family_options or {}, seed=seed, inputs=inputs, tokenizer=tokenizer, queries=tuple(query or ()),
+        tools=tools, json_path=json_path, html_path=html_path, force=force, torch_device=torch_device,
+        jax_platform=jax_platform, pin_precision=precision == "highest", grads=grads, generate=generate,
+        suppress_special=suppress_special, overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol), lora=lora,
+        depth=depth))
     _show_report(report, quiet)
 
 
@@ -386,8 +431,8 @@ def rescore_command(
     Without options a parity report gets its own profile again. Exit code 0 / 1 / 2 as for `parity` and `quant`.
     """
     if _report_schema(report_path) == "needle-twin/quant-report":
-        from parity_tests import quant
-        from parity_tests.quant_report import render_terminal, verdict_text
+        from parity_tests.v2 import quant
+        from parity_tests.v2.quant_report import render_terminal, verdict_text
 
         if any(v is not None for v in (profile, rtol, atol, kl_max, grad_rtol)):
             raise NeedleTwinError("--profile, --rtol, --atol, --kl-max and --grad-rtol re-judge parity reports; a "
@@ -453,8 +498,8 @@ def quant_command(
     layers and tensors that cost most (each layer quantised alone; per-tensor SQNR). torch only, no JAX.
 
     Exit code 0, or 1 when a --max-kld / --min-top1 threshold fails, 2 on bad input."""
-    from parity_tests import quant
-    from parity_tests.quant_report import render_terminal, verdict_text
+    from parity_tests.v2 import quant
+    from parity_tests.v2.quant_report import render_terminal, verdict_text
 
     report = quant.quant(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed,
                          steps=steps, lora=lora, json_path=json_path, html_path=html_path, force=force,
@@ -472,6 +517,7 @@ def quant_command(
 
 @app.command("generate")
 @guarded
+@family_options("generate")
 def generate_command(
     ckpt: Annotated[str, typer.Argument(help="Checkpoint to run (any format `needle-twin inspect` reads, .cact too); "
                                              "the family is read from the file.")],
@@ -482,8 +528,6 @@ def generate_command(
     tools: Annotated[Optional[str], typer.Option(
         "--tools", help="The tools: a JSON list, inline or a .json file (Needle 2), or a JSON string (v1). Default "
                         "[].")] = None,
-    system: Annotated[Optional[str], typer.Option(
-        "--system", help="Needle 2: a system turn before the user turn, as upstream renders it.")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(
         "--tokenizer", help="SentencePiece .model: encodes --query/--tools and decodes the output to text.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="torch (cached KV) or flax (jitted cached loop).")
@@ -493,177 +537,26 @@ def generate_command(
                                         "generate_cached, 64 for v1).")] = None,
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", help="Compute dtype: float32, bfloat16, float16 (default: the checkpoint config's).")] = None,
-    kv_window: Annotated[int, typer.Option(
-        "--kv-window", min=0, help="Needle 2: attention sees the last W positions (plus sinks); 0 = all, as "
-                                   "upstream's generate_cached defaults.")] = 0,
-    sink_tools: Annotated[bool, typer.Option(
-        "--sink-tools", help="Needle 2 with --kv-window: keep the prompt up to </tools> visible as sinks "
-                             "(upstream's generate_cached pins none).")] = False,
-    temperature: Annotated[float, typer.Option(
-        "--temperature", min=0.0, help="Needle 2: 0 = greedy (upstream's default); above 0, sample from "
-                                       "softmax(logits / T).")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Needle 2: the sampling seed (with --temperature).")
-                    ] = None,
-    suppress: Annotated[Optional[str], typer.Option(
-        "--suppress", help="v1: token ids never to choose, e.g. '0 2 3'.")] = None,
-    max_enc_len: Annotated[Optional[int], typer.Option(
-        "--max-enc-len", min=2, help="v1: truncate --query/--tools to this many encoder tokens, as upstream does.")
-                           ] = None,
     compile: Annotated[bool, typer.Option(
-        "--compile", help="torch: the fast decoding step: on CPU, Needle 2 at up to 16 rows, C++ kernels (built "
-                          "once, ~25-35 s cold, cached on disk); otherwise one torch.compile graph (the first call "
-                          "compiles, 5-30 s on 2 cores, cached on disk after).")] = False,
+        "--compile", help="torch: the fast decoding step (compiled on the first call, cached on disk after).")] = False,
+    family_options: Optional[dict] = None,
 ) -> None:
     """Decode with the cached decoder, printing tokens as they come (text too with --tokenizer; Needle 2 also
     prints the tool call it finds)."""
     from convert.errors import GenerationError
     from convert.io import read_checkpoint
+    from parity_tests.adapter import GenerateRequest
+    from parity_tests.families import adapter_named
 
     if (tokens is None) == (query is None):
         raise GenerationError("give exactly one input: --tokens IDS, or --query TEXT with --tokenizer PATH")
     if query is not None and tokenizer is None:
         raise GenerationError("--query needs --tokenizer PATH (the SentencePiece .model) to become token ids")
     checkpoint = read_checkpoint(ckpt)
-    family = checkpoint.family
-    if family.name == "v1":
-        _refuse_options(family.title, {"--kv-window": kv_window, "--sink-tools": sink_tools,
-                                       "--temperature": temperature, "--seed": seed, "--system": system})
-        _generate_v1(checkpoint, tokens, query, tools, tokenizer, backend, max_new_tokens or 64, dtype, suppress,
-                     max_enc_len, compile)
-    else:
-        _refuse_options(family.title, {"--suppress": suppress, "--max-enc-len": max_enc_len})
-        _generate_v2(checkpoint, tokens, query, tools, system, tokenizer, backend, max_new_tokens or 96, dtype,
-                     kv_window, sink_tools, temperature, seed, compile)
-
-
-def _refuse_options(title: str, given: dict) -> None:
-    """Options another family's decoding takes, given here: one line naming them."""
-    wrong = [name for name, value in given.items() if value not in (None, False, 0, 0.0)]
-    if wrong:
-        raise NeedleTwinError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to {title} "
-                              "generation; drop it")
-
-
-def _generate_v1(checkpoint, tokens, query, tools, tokenizer, backend, max_new_tokens, dtype, suppress,
-                 max_enc_len, compile) -> None:
-    import time
-
-    from convert.errors import GenerationError
-    from convert.generation import parse_token_ids
-    from parity_tests.v1.runs import generate_from_checkpoint
-
-    tok = None
-    if tokenizer is not None:
-        from convert.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(tokenizer)
-    if tok is not None and tok.get_piece_size() > checkpoint.config.vocab_size:
-        raise GenerationError(f"{tokenizer} has {tok.get_piece_size()} pieces but the model's vocabulary has "
-                              f"{checkpoint.config.vocab_size}; use the tokenizer this model was trained with")
-    if query is not None:
-        from convert.tokenizer import build_encoder_input, check_tools_json
-
-        src_ids = build_encoder_input(tok, query, check_tools_json(tools or "[]"), max_len=max_enc_len)
-    else:
-        src_ids = parse_token_ids(tokens)
-    suppress_ids = parse_token_ids(suppress) if suppress else None
-
-    generated: list[int] = []
-    shown = ""
-
-    def stream(token: int) -> None:
-        nonlocal shown
-        generated.append(token)
-        if tok is None:
-            sys.stdout.write(f"{token} ")
-        else:
-            from convert.tokenizer import decode_tokens
-
-            text = decode_tokens(tok, generated)
-            # Print only what is new: SentencePiece joins pieces, so a piece decoded alone can lose its space.
-            sys.stdout.write(text[len(shown):] if text.startswith(shown) else "\n" + text)
-            shown = text
-        sys.stdout.flush()
-
-    start = time.perf_counter()
-    ids = generate_from_checkpoint(checkpoint, src_ids, backend=backend, dtype=dtype, max_new_tokens=max_new_tokens,
-                                   suppress_tokens=suppress_ids, streamer=stream, compile=compile)
-    seconds = time.perf_counter() - start
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if tok is not None:
-        typer.echo("ids: " + " ".join(map(str, ids)))
-    note = "; includes jit compilation" if backend == "flax" or compile else ""
-    typer.echo(f"{len(ids) - 1} tokens in {seconds:.2f}s ({backend}, {dtype or checkpoint.config.dtype}, "
-               f"{len(src_ids)} encoder tokens{note})", err=True)
-
-
-def _generate_v2(checkpoint, tokens, query, tools, system, tokenizer, backend, max_new_tokens, dtype, kv_window,
-                 sink_tools, temperature, seed, compile) -> None:
-    import time
-
-    from convert.errors import GenerationError
-    from convert.generation import parse_token_ids
-    from convert.v2 import chat
-    from parity_tests.v2.runs import generate_from_checkpoint
-
-    config = checkpoint.config
-    tok = None if tokenizer is None else chat.load_chat_tokenizer(tokenizer, vocab_size=config.vocab_size)
-    if query is not None:
-        if tools is not None and tools.lstrip().startswith(("[", "{")):
-            # parsed, then written compact by render_prompt: as upstream renders the tools it trained on
-            tool_list = json.loads(chat.tools_json(tools))
-        else:
-            tool_list = None if tools is None else chat.load_tools(tools)
-        prompt = chat.prompt_ids(tok, chat.render_prompt(query, tool_list, system),
-                                 chat.generate_cached_cap(config.max_seq_len))
-    else:
-        if tools is not None or system is not None:
-            raise GenerationError("--tools and --system are rendered into a --query prompt; with --tokens give the "
-                                  "whole prompt as ids")
-        prompt = parse_token_ids(tokens)
-    sink = None
-    if sink_tools:
-        if not kv_window:
-            raise GenerationError("--sink-tools pins positions that --kv-window would hide; give --kv-window W too")
-        end = chat.MARKER_IDS[chat.TOOLS_END]
-        if end not in prompt:
-            raise GenerationError(f"--sink-tools: the prompt has no </tools> (id {end}) to pin up to; render it "
-                                  "with --query (and --tools), or drop --sink-tools")
-        last = prompt.index(end)
-        sink = [i <= last for i in range(len(prompt))]
-    if seed is not None and not temperature:
-        raise GenerationError("--seed draws samples, but --temperature is 0 (greedy); give --temperature T > 0")
-
-    stream = chat.TextStream(tok) if tok is not None else None
-    generated: list[int] = []
-
-    def emit(token: int) -> None:
-        generated.append(token)
-        sys.stdout.write(stream.feed(token) if stream is not None else f"{token} ")
-        sys.stdout.flush()
-
-    start = time.perf_counter()
-    ids = generate_from_checkpoint(checkpoint, prompt, backend=backend, dtype=dtype, max_new_tokens=max_new_tokens,
-                                   kv_window=kv_window, sink=sink, temperature=temperature, seed=seed,
-                                   streamer=emit, compile=compile)
-    seconds = time.perf_counter() - start
-    if stream is not None:
-        sys.stdout.write(stream.finish())
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if tok is not None:
-        typer.echo("ids: " + " ".join(map(str, ids)))
-        found = chat.extract_tool_call(stream.text)
-        if found.ok:
-            calls = [{"name": c.name, "arguments": c.arguments} for c in found.calls]
-            typer.echo("tool call: " + json.dumps(calls, ensure_ascii=False))
-        else:
-            typer.echo(f"no tool call: {found.reason}", err=True)
-    note = "; includes jit compilation" if backend == "flax" or compile else ""
-    window = f", kv_window {kv_window}" + (f" with {sum(sink)} sinks" if sink else "") if kv_window else ""
-    typer.echo(f"{len(ids)} tokens in {seconds:.2f}s ({backend}, {dtype or config.dtype}, {len(prompt)} prompt "
-               f"tokens{window}{note})", err=True)
+    options = generate_options_of(checkpoint.family, family_options or {})
+    request = GenerateRequest(tokens=tokens, query=query, tools=tools, tokenizer=tokenizer, backend=backend,
+                              max_new_tokens=max_new_tokens, dtype=dtype, compile=compile)
+    adapter_named(checkpoint.family.name).generate(checkpoint, request, options)
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 At the published `base` config (D 512, 27 layers; random weights, `random_flax_params(config, seed=0)`),
 a 256-token prompt (BOS + random plain ids) and 64 new tokens, for batch 1 and 32:
-  upstream loop      needle_flax.v2.decode, upstream's decode.py ported as it is: `generate_cached` (a Python
+  upstream loop      tests.v2.upstream_decode, upstream's decode.py ported as it is: `generate_cached` (a Python
                      loop of jitted `forward_cached` steps) at batch 1, `batched_generate` (flash prefill + a
                      lax.scan rollout) at batch > 1. It always runs in float32 (it casts the params), so it is
                      measured once per batch size. Its jit unrolls the 27 layers (and each layer's 20 Sinkhorn
@@ -60,7 +60,7 @@ def upstream_case(config, tree, prompts: np.ndarray, new_tokens: int, repeats: i
     import jax.numpy as jnp
 
     from needle_flax.layers import precompute_rope_freqs
-    from needle_flax.v2 import decode as D
+    from tests.v2 import upstream_decode as D
 
     B, P = prompts.shape
     encoded = [row[1:].tolist() for row in prompts]  # upstream prepends BOS itself

@@ -51,14 +51,11 @@ def best_of(fn, repeats: int) -> float:
 
 
 def copy_bandwidth(threads: int) -> tuple[float, str]:
-    """Bytes/s (read + write) of a 256 MiB copy, best of numpy (1 thread) and torch (all threads)."""
-    import torch
+    """Bytes/s (read + write) of a 256 MiB copy into a preallocated buffer, best of numpy (1 thread) and torch."""
+    from benchmarks.bandwidth import copy_bandwidth as torch_copy_bandwidth  # torch only when measured
+    from benchmarks.bandwidth import numpy_copy_bandwidth
 
-    a = np.ones(64 * 2**20, np.float32)
-    b = np.empty_like(a)
-    numpy_bw = 2 * a.nbytes / best_of(lambda: np.copyto(b, a), 5)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    torch_bw = 2 * a.nbytes / best_of(lambda: tb.copy_(ta), 5)
+    numpy_bw, torch_bw = numpy_copy_bandwidth(), torch_copy_bandwidth()
     return max(numpy_bw, torch_bw), f"numpy copy {numpy_bw / 1e9:.1f} GB/s, torch copy ({threads} threads) " \
                                     f"{torch_bw / 1e9:.1f} GB/s"
 

@@ -3,7 +3,7 @@
 At the published `base` size (random weights, convert.mapping.random_flax_params(config, seed=0)), a
 256-token prompt and 64 new tokens (EOS never stops a row), for batch 1 and 32, float32 and bfloat16,
 torch eager, torch compiled (compile=True: the decoding steps; on CPU at <= cpu_decode.max_rows rows through the
-C++ kernels of needle_torch/cpu_decode.py), compiled-all (compile="all": the prefill too) and, on request, traced
+C++ kernels of needle_torch/fast/cpu_decode.py), compiled-all (compile="all": the prefill too) and, on request, traced
 (compile=True with those kernels switched off: the torch.compile step, for a side-by-side ratio). Each cell names
 the step that ran (kernels, torch.compile or eager):
   tokens/s      new tokens / decode time (the 63 steps after the first token), best of --repeats
@@ -13,7 +13,8 @@ the step that ran (kernels, torch.compile or eager):
                 graph is already there, so this is the prefill's compile alone)
   % of bound    tokens/s against the memory-bandwidth bound: bytes a step must read (weights in their dtype,
                 the tied embedding, the engram projections, the K/V cache over the mean attended length)
-                / the copy bandwidth measured in the same process (2 x bytes / time of a 256 MiB copy_)
+                / the copy bandwidth measured in the same process (2 x bytes / time of a 256 MiB copy_ into a
+                preallocated, already written buffer: benchmarks/bandwidth.py)
   x upstream    against upstream's own figures on the 2-core AVX2 machine (issue 14; upstream decodes in float32),
                 like for like: decode tok/s against decode tok/s (decode.py's loop 12.1 tok/s at batch 1, the
                 batched rollout's steps 69 tok/s at batch 32), end to end against end to end (batch 1: 64 tokens
@@ -29,17 +30,16 @@ AVX2-only CPU without bf16 units (AVX2_ENV: oneDNN and ATen capped at AVX2, and 
 built as x86-64-v3 code, so with an AVX2 CPU's 16 vector registers), and each bf16 cell set with both bf16 paths
 forced (--bf16-paths: a subset; NEEDLE_TWIN_BF16=native: library bf16 kernels, emulated where the CPU has no bf16
 units; =upcast: float32 kernels on upcast operands; auto: neither forced, each kind taking the path
-needle_torch.kernels.bf16_path() picks there), each process printing the path that ran. --kinds runs one kind only
+needle_torch.fast.kernels.bf16_path() picks there), each process printing the path that ran. --kinds runs one kind only
 (--kinds avx2 --bf16-paths auto: the AVX2-only CPU as generation would run there). --f32-paths forces the float32
 products of compiled graphs through oneDNN or the library (MKL), one process each, beside the path
-needle_torch.kernels.f32_path() picks by the CPU's vendor. --heaps kept system runs each cell set with glibc's heap
-thresholds fixed (kernels.keep_heap, what generation does) and left alone. --v1 adds Needle v1's torch cells from
+needle_torch.fast.kernels.f32_path() picks by the CPU's vendor. --v1 adds Needle v1's torch cells from
 benchmarks/bench_generate.py (bf16 encode latency, compiled batch-1 decode end to end) on the same grid. Each
 process prints the CPU features it found and the paths that ran.
 
 Usage: python benchmarks/bench_torch_v2.py [--dtype float32 bfloat16] [--batch 1 32] [--repeats 2] [--threads N]
        [--modes eager compiled compiled-all traced] [--bf16-paths native upcast auto] [--f32-paths onednn library]
-       [--heaps kept system] [--kinds this avx2] [--no-emulate] [--v1] [--new-tokens 64]
+       [--kinds this avx2] [--no-emulate] [--v1] [--new-tokens 64]
        [--prompt-len 256] [--upstream loop_b1=14.5 prefill_ms=267 ...]
 Run on an otherwise idle machine: the load average is printed before and after every process (2 shared cores:
 a busy neighbour makes multi-threaded figures meaningless).
@@ -48,7 +48,6 @@ a busy neighbour makes multi-threaded figures meaningless).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -64,20 +63,20 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 from convert.mapping import random_flax_params  # noqa: E402
 from convert.v1.config import NEEDLE_V1_PUBLISHED, SPECIAL_IDS  # noqa: E402
 from convert.v2 import NEEDLE_V2_PUBLISHED  # noqa: E402
 from convert.v2.config import BOS_ID, FIRST_PLAIN_ID  # noqa: E402
-from needle_torch import cpu_decode  # noqa: E402
-from needle_torch.kernels import (  # noqa: E402
+from needle_torch.fast import cpu_decode  # noqa: E402
+from needle_torch.fast.kernels import (  # noqa: E402
     BF16_PATH_ENV,
     F32_PATH_ENV,
-    HEAP_ENV,
     bf16_path,
     cpu_flags,
+    cpuinfo,
     decide_bf16_path,
     f32_path,
-    keep_heap,
 )
 from needle_torch.v1.generate import generate as generate_v1  # noqa: E402
 from needle_torch.v1.model import SimpleAttentionNetwork as ModelV1  # noqa: E402
@@ -86,8 +85,10 @@ from needle_torch.v2 import SimpleAttentionNetwork  # noqa: E402
 # Issue 14's figures for upstream: decode tok/s of the batch-1 loop, its prefill ms, the batch-32 rollout's steps-only
 # and end-to-end tok/s.
 UPSTREAM = {"loop_b1": 12.1, "prefill_ms": 412.0, "steps_b32": 69.0, "rollout_b32": 47.7}
-MODES = {"eager": False, "compiled": True, "compiled-all": "all", "traced": True}  # generate's compile argument
-DEFAULT_MODES = ["eager", "compiled", "compiled-all"]
+# generate's (compile, fast) arguments per mode; plain-*: every form of needle_torch.fast off (the baseline)
+MODES = {"eager": (False, True), "compiled": (True, True), "compiled-all": ("all", True), "traced": (True, True),
+         "plain-eager": (False, False), "plain-compiled": (True, False), "plain-compiled-all": ("all", False)}
+DEFAULT_MODES = ["eager", "compiled", "compiled-all", "plain-compiled", "plain-compiled-all"]
 # An AVX2-only CPU's code on this one. Without TORCHINDUCTOR_CPP_MARCH inductor builds with -march=native, and on an
 # AVX-512 CPU its 8-float AVX2 vectors still get EVEX encodings and 32 registers (the prefill attention kernel's code
 # used ymm16-31 in 105 instructions), which a real AVX2 CPU does not have.
@@ -131,14 +132,6 @@ def upstream_rates(batch: int, new: int) -> tuple[float, float]:
     return UPSTREAM["steps_b32"], UPSTREAM["rollout_b32"]
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s (read + write) of a 256 MiB torch copy_, best of 5."""
-    a = torch.ones(64 * 2**20)
-    b = torch.empty_like(a)
-    best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
-    return 2 * a.numel() * 4 / best
-
-
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -161,7 +154,8 @@ def step_bytes(cfg, batch: int, prompt: int, new: int, item: int) -> int:
 # ----------------------------------------------------------------------------- one process: the cells of one setting
 
 
-def run_v2(dtype: str, batch: int, compile: bool | str, args) -> dict:
+def run_v2(dtype: str, batch: int, mode: tuple[bool | str, bool], args) -> dict:
+    compile, fast = mode
     cfg = NEEDLE_V2_PUBLISHED
     model = SimpleAttentionNetwork.from_flax(random_flax_params(cfg, seed=0, groups=()), cfg, dtype=dtype)
     rng = np.random.default_rng(1)
@@ -174,7 +168,7 @@ def run_v2(dtype: str, batch: int, compile: bool | str, args) -> dict:
         """(prefill s = time to the first token, decode s for the G - 1 steps after it)."""
         stamps = []
         start = time.perf_counter()
-        model.generate(prompts, G, eos_token_id=None, compile=compile,
+        model.generate(prompts, G, eos_token_id=None, compile=compile, fast=fast,
                        streamer=lambda _: stamps.append(time.perf_counter()))
         return stamps[0] - start, stamps[-1] - stamps[0]
 
@@ -183,7 +177,8 @@ def run_v2(dtype: str, batch: int, compile: bool | str, args) -> dict:
     warm = min(p + d for p, d in runs)
     prefill, decode = min(p for p, _ in runs), min(d for _, d in runs)
     item = torch.finfo(model.dtype).bits // 8
-    step = "eager" if compile is False else "kernels" if cpu_decode.applies(model, batch) else "torch.compile"
+    step = ("eager" if compile is False else "kernels" if fast and cpu_decode.applies(model, batch)
+            else "torch.compile" if fast else "plain torch.compile")
     return {"step": step, "tok_s": batch * (G - 1) / decode, "e2e_tok_s": batch * G / warm, "prefill_ms": 1e3 * prefill,
             "compile_s": first - warm if compile is not False else None,
             "bytes": step_bytes(cfg, batch, args.prompt_len, G, item)}
@@ -219,7 +214,7 @@ def child(args) -> None:
                             torch.backends.cpu.get_cpu_capability())
     out = {"load_before": os.getloadavg(), "path": path.name, "reason": path.reason, "auto": str(auto),
            "features": list(path.features), "capability": torch.backends.cpu.get_cpu_capability(),
-           "f32": str(f32_path()), "heap": str(keep_heap()), "bandwidth": copy_bandwidth(), "cells": {}}
+           "f32": str(f32_path()), "bandwidth": copy_bandwidth(), "cells": {}}
     for spec in args.cells.split(";"):
         if spec == "v1":
             out["cells"][spec] = run_v1(args)
@@ -258,7 +253,7 @@ def report(kind: str, res: dict, new: int) -> list[str]:
     lines = [f"\n{kind}, {path}",
              f"  CPU features {' '.join(res['features'])}; ATen {res['capability']}; copy bandwidth "
              f"{bw / 1e9:.1f} GB/s; load {res['load_before'][0]:.2f} -> {res['load_after'][0]:.2f}",
-             f"  compiled graphs' {res['f32']}; {res['heap']}",
+             f"  compiled graphs' {res['f32']}",
              f"  {'cell':<26}{'tok/s':>8}{'e2e tok/s':>11}{'prefill ms':>12}{'compile s':>11}{'of bound':>10}"
              f"{'x upstream decode':>19}{'x e2e':>8}  step"]
     for spec, c in res["cells"].items():
@@ -291,9 +286,6 @@ def main() -> None:
     parser.add_argument("--f32-paths", nargs="+", default=[""], choices=["", "onednn", "library"],
                         help="the float32 product paths of compiled graphs to force (NEEDLE_TWIN_F32), one process "
                              "each; '' (the default) leaves the choice to kernels.f32_path")
-    parser.add_argument("--heaps", nargs="+", default=["kept"], choices=["kept", "system"],
-                        help="kept: generation fixes glibc's heap thresholds (kernels.keep_heap, the default); "
-                             f"system: {HEAP_ENV}=system leaves glibc's defaults; one process each")
     parser.add_argument("--max-rows", type=int, default=None,
                         help="rows up to which compiled steps take the C++ kernels (default cpu_decode.max_rows: "
                              "MAX_ROWS, BF16_MAX_ROWS for bf16 on the CPU's bf16 units): for measuring where they "
@@ -305,6 +297,8 @@ def main() -> None:
     parser.add_argument("--upstream", nargs="+", default=[], metavar="KEY=VALUE",
                         help="upstream's figures measured on this machine (benchmarks/bench_flax_v2.py) in place of "
                              f"the issue's: keys {', '.join(UPSTREAM)}")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="where the results go as JSON (default benchmarks/results/torch-v2-<UTC time>.json)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cells", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -317,20 +311,61 @@ def main() -> None:
     print(f"runtime settings ({', '.join(RUNTIME_ENV)}): {runtime_settings(os.environ)}")
     kinds = [(name, env) for key, name, env in (("this", "this CPU", {}), ("avx2", "AVX2-only (emulated)", AVX2_ENV))
              if key in args.kinds and (key == "this" or args.emulate)]
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    runs = []
     for kind, env in kinds:
         for dtype in args.dtype:
             paths = args.bf16_paths if dtype == "bfloat16" else [""]  # float32 takes no bf16 path
             for forced in paths:
-                for f32, heap in itertools.product(args.f32_paths, args.heaps):
+                for f32 in args.f32_paths:
                     cells = [f"{dtype},{b},{m}" for b in args.batch for m in args.modes]
                     if args.v1 and dtype == "bfloat16":
                         cells.append("v1")
                     res = spawn(cells, {**env, **({BF16_PATH_ENV: forced} if forced not in ("", "auto") else {}),
-                                        **({F32_PATH_ENV: f32} if f32 else {}),
-                                        **({HEAP_ENV: "system"} if heap == "system" else {})}, args)
+                                        **({F32_PATH_ENV: f32} if f32 else {})}, args)
                     for line in report(kind, res, args.new_tokens):
                         print(line, flush=True)
+                    runs.append(result_record(kind, env, res))
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    default = REPO / "benchmarks" / "results" / f"torch-v2-{started.replace(':', '')}.json"
+    path = Path(args.json) if args.json else default
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": "torch-v2", "date": started, "command": " ".join(
+        ["python", "benchmarks/bench_torch_v2.py", *sys.argv[1:]]), "machine": machine(), "threads": args.threads,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "runtime_settings": runtime_settings(os.environ), "runs": runs}, indent=1) + "\n")
+    print(f"results: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+
+
+def machine() -> dict:
+    """The CPU, its flags that decide the kernels' paths, the core count and torch's version."""
+    flags = cpu_flags()
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+    return {"cpu": cpuinfo("model name") or "unknown", "vendor": cpuinfo("vendor_id") or "unknown",
+            "cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags], "torch": torch.__version__}
+
+
+def result_record(kind: str, env: dict, res: dict) -> dict:
+    """One process's figures for the JSON results: each cell with its share of the memory bound, and each fast mode's
+    ratio to its plain twin (plain-compiled for compiled, plain-compiled-all for compiled-all) where both ran."""
+    cells = {}
+    for spec, c in res["cells"].items():
+        if spec == "v1":
+            cells[spec] = c
+            continue
+        dtype, batch, mode = spec.split(",")
+        bound = int(batch) * res["bandwidth"] / c["bytes"]
+        cells[spec] = {**c, "dtype": dtype, "batch": int(batch), "mode": mode, "bound_tok_s": bound,
+                       "of_bound": c["tok_s"] / bound}
+    for spec, c in list(cells.items()):
+        plain = cells.get(spec.replace(f",{c.get('mode')}", f",plain-{c.get('mode')}")) if "mode" in c else None
+        if plain is not None and not c["mode"].startswith("plain"):
+            c["vs_plain"] = {"tok_s": c["tok_s"] / plain["tok_s"], "e2e_tok_s": c["e2e_tok_s"] / plain["e2e_tok_s"],
+                             "prefill": plain["prefill_ms"] / c["prefill_ms"]}
+    return {"kind": kind, "env": env, "bf16_path": res["path"], "bf16_reason": res["reason"],
+            "features": res["features"], "aten": res["capability"], "f32_path": res["f32"],
+            "bandwidth_bytes_s": res["bandwidth"], "load_before": res["load_before"], "load_after": res["load_after"],
+            "cells": cells}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Both families render with the same `finetune.render_example` (cactus-needle 2.0.
 §13.1) and encode with plain `sp.Encode` (no BOS): every caller prepends BOS itself. A family supplies what
 differs, in a `ChatFormat` (its special ids, the marker ids upstream hard-codes, markers with no fixed id) and
 in its own `render_prompt` (Needle 3 adds its `<context>`/`<extract>`/`<schema>` blocks); `convert.v2.chat` and
-`convert.v3.chat` bind them. sentencepiece is imported lazily by `convert.tokenizer`.
+`convert.v3.chat` bind them. sentencepiece is imported lazily by `convert.sentencepiece`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convert.errors import GenerationError, TokenizerError, one_line
-from convert.tokenizer import decode_tokens, load_tokenizer
+from convert.sentencepiece import decode_tokens, load_tokenizer
 
 # The marker text both families share (upstream's `tokenizer.py`).
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

@@ -19,6 +19,22 @@ from convert.source import Source
 
 
 @dataclass(frozen=True)
+class CliOption:
+    """An option a family adds to a CLI command (`--kv-window` for keyword `kv_window`); framework-free, so the CLI
+    builds its commands from the registry without importing a model."""
+
+    name: str  # the command's keyword; the flag is --name with dashes
+    type: type  # int, float, str or bool (a bool is a flag)
+    help: str
+    default: Any = None  # the family's value when the option is not given (said in the help)
+    min: float | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
 class Family:
     name: str  # "v1", "v2": the `family` entry of our safetensors metadata and config.json
     title: str
@@ -39,6 +55,8 @@ class Family:
     halve: Callable[[Any, Any, int], tuple[Any, Any]] | None = None
     # Extra words for a config mismatch: (tensor names, config) -> a hint naming the field, or None.
     hint: Callable[[set[str], Any], str | None] | None = None
+    parity_options: tuple[CliOption, ...] = ()  # `parity`'s random-batch lengths (their defaults: the batch's)
+    generate_options: tuple[CliOption, ...] = ()  # `generate` options only this family's decoding takes
     _patterns: dict = field(default_factory=dict, compare=False, repr=False)
 
     def table(self, config: Any, groups: Iterable[str] | None = None) -> ParamTable:
@@ -107,4 +125,4 @@ class AdapterFormat:
     write: Callable[..., Path]  # (adapter, config, dst, base=path-or-None, force=False) -> the written path
 
 
-__all__ = ["FLAX", "AdapterFormat", "Family", "FileFormat"]
+__all__ = ["FLAX", "AdapterFormat", "CliOption", "Family", "FileFormat"]

@@ -333,12 +333,11 @@ def _ranges(indices: list[int]) -> str:
 
 
 # Source rows copied per step of a transpose: 16 sequential read streams and 32-64 byte writes per output row
-# stay in cache; numpy's own `a.T.copy()` strides across a whole column per element and is ~4x slower.
+# stay in cache, where numpy's own `a.T.copy()` strides across a whole column per element.
 _TRANSPOSE_BAND = 16
 # 2-byte values (float16/bfloat16) move 4 at a time: rows of uint64 are transposed (8 rows per step, 128 rows
-# per block through a small buffer), then each uint64 is split back into its 4 values. Measured on the
-# benchmark CPU: 2048x2048 float16 3.0 GB/s against 1.6 for the plain bands; (2048, 512) 2.7 against 3.6,
-# hence only for rows of >= 1024 values. float32 gained nothing consistent.
+# per block through a small buffer), then each uint64 is split back into its 4 values. It pays only for rows of
+# >= 1024 values (slower than the plain bands on narrower ones), and not for float32.
 _WIDE_MIN_COLS, _WIDE_BAND, _WIDE_ROWS = 1024, 8, 128
 
 

@@ -65,11 +65,8 @@ class Segments:
 
 
 # The writer for a file of a given size (the one seam): "plain" writes part by part through the page cache,
-# "ring" is the O_DIRECT ring below. NEEDLE_TWIN_WRITER=plain|ring forces one. benchmarks/bench_convert.py,
-# both side by side (best of 3, 2-core VM): at the published sizes plain is as fast or faster and smaller
-# (v1 105 MB pickle -> safetensors 0.40 s vs 0.45 s, peak RSS 125 vs 145 MB; Needle 2 181 MB 0.44 vs 0.56 s,
-# 126 vs 170 MB); at 2.55 GB the ring is 2.2-3.2x faster (2.30 vs 4.97 s; back to a pickle 2.13 vs 6.73 s).
-# So plain below RING_FROM bytes, the ring from there on.
+# "ring" is the O_DIRECT ring below; NEEDLE_TWIN_WRITER=plain|ring forces one. Plain is as fast and smaller at
+# the published sizes, the ring faster from RING_FROM on (benchmarks/bench_convert.py, docs/PERFORMANCE.md).
 WRITERS = ("plain", "ring")
 RING_FROM = 2**30
 
@@ -244,7 +241,7 @@ class SequentialFile:
 
 def _anonymous_map(nbytes: int) -> mmap.mmap:
     """Private, page-aligned memory (as O_DIRECT needs), in huge pages where the kernel offers them: fewer
-    first-touch faults (the benchmark's write: 1.53-1.55 s against 1.61-1.64 s in 4 KiB pages, one outlier aside)."""
+    first-touch faults."""
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     m = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
     if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):

@@ -4,7 +4,12 @@ The top-level names are Needle v1's, as before families existed; `from_pretraine
 family a file records (or its tensor names say).
 """
 
+import importlib
+import pkgutil
+
+from convert.errors import CheckpointError
 from convert.io import open_source, source_family
+from convert.registry import FAMILIES
 from needle_torch import v1, v2
 from needle_torch.layers import (
     TORCH_DTYPES,
@@ -37,13 +42,25 @@ from needle_torch.v1 import (
     generate_recompute,
 )
 
-MODELS = {"v1": v1.SimpleAttentionNetwork, "v2": v2.SimpleAttentionNetwork}
+
+def _models() -> dict[str, type]:
+    """The torch model of every registered family that has its `needle_torch/<family>` folder."""
+    folders = {m.name for m in pkgutil.iter_modules(__path__) if m.ispkg}
+    return {name: importlib.import_module(f"{__name__}.{name}").SimpleAttentionNetwork
+            for name in FAMILIES if name in folders}
+
+
+MODELS = _models()
 
 
 def from_pretrained(path, dtype=None, device=None):
     """Load a .safetensors file or HF-style directory as the torch model of the family it holds."""
     source = open_source(path)
-    return load(MODELS[source_family(source).name], source, dtype, device)
+    family = source_family(source)
+    if family.name not in MODELS:
+        raise CheckpointError(f"{path} holds a {family.title} model, which has no torch twin yet; "
+                              f"needle_torch has {', '.join(MODELS)}")
+    return load(MODELS[family.name], source, dtype, device)
 
 
 __all__ = [

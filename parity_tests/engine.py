@@ -17,6 +17,7 @@ import importlib.metadata
 import platform
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch
 from convert.errors import NeedleTwinError
 from convert.trees import flatten_tree
 from parity_tests import metrics, probes
+from parity_tests.adapter import Adapter
 from parity_tests.devices import pinned_precision, precision_settings
 from parity_tests.families import adapter_of
 from parity_tests.gradients import gradient_parity
@@ -49,6 +51,15 @@ def compare_probes(table: list[probes.Probe], test: Mapping[str, np.ndarray],
             m.update(metrics.compare_logits(test[p.name], ref[p.name]))
         out.append(ProbeResult(p.name, list(np.shape(ref[p.name])), m))
     return out
+
+
+def depth_note(report: Report, depths: Sequence[int]) -> str:
+    """Whether the twins agree at each compared depth rung (its probes are named `depth{d}.*`)."""
+    failed = [d for d in depths if not all(p.passed for p in report.probes if p.name.startswith(f"depth{d}."))]
+    rungs = ", ".join(map(str, depths))
+    if not failed:
+        return f"depth rungs {rungs}: the twins agree on every rung (exit_depth and subnetwork_only logits)"
+    return f"depth rungs {rungs}: the twins disagree at rung(s) {', '.join(map(str, failed))}"
 
 
 def count_params(params: Mapping[str, Any]) -> int:
@@ -81,55 +92,87 @@ def environment(twins: Twins, seeds: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_parity(config, flax_params: Mapping[str, Any], batch: Batch, *,
-               torch_params: Mapping[str, Any] | None = None, dtype: str = "float32", mode: str = "propagated",
-               profile: Profile | None = None, torch_device_name: str = "cpu", jax_platform: str = "cpu",
-               pin_precision: bool = True, grads: bool = True, generate: int = 8,
-               suppress_tokens: Sequence[int] | None = None, model_info: Mapping[str, Any] | None = None,
-               seeds: Mapping[str, Any] | None = None, lora: Any = None) -> Report:
-    """Compare the twins probe by probe (and gradients and greedy generation); a judged Report.
+@dataclass(frozen=True)
+class RunSpec:
+    """How one parity run computes and what it compares, resolved once (`resolve`) and read by every stage."""
 
-    config: the family's config (its class picks the adapter). flax_params / torch_params: nested upstream
-    Flax trees of numpy arrays (torch_params: a torch checkpoint already mapped to the Flax layout; None =
-    convert flax_params in memory). grads and generate default to what `needle-twin parity` does: gradients
-    on, 8 greedy steps (0 = none); suppress_tokens: ids greedy decoding may not pick. lora: an adapter (a family
-    with LoRA, Needle 2): its A/B gradients are compared too (flax_params is the base; the probes run the base).
+    adapter: Adapter  # the family's, looked up once
+    config: Any  # the config both twins run (the family's `prepare` applied)
+    dtype: str
+    mode: str
+    profile: Profile
+    torch_device: str
+    jax_platform: str
+    pin_precision: bool
+    grads: bool
+    generate: int  # greedy steps (0 = none)
+    suppress_tokens: tuple[int, ...] | None  # ids greedy decoding may not pick
+    note: str | None  # what `prepare` changed, for the report
+    depths: tuple[int, ...] = ()  # depth rungs compared too (`--depth`)
+
+
+def resolve(adapter: Adapter, config: Any, *, dtype: str = "float32", mode: str = "propagated",
+            profile: Profile | None = None, torch_device: str = "cpu", jax_platform: str = "cpu",
+            pin_precision: bool = True, grads: bool = True, generate: int = 8,
+            suppress_tokens: Sequence[int] | None = None, depth: str | None = None) -> RunSpec:
+    """Check a run's options and fix them in a RunSpec; the defaults are what `needle-twin parity` does.
+
+    profile: None = the family's for the dtype and devices. depth: `--depth d|all` (families with a ladder).
     """
     if mode not in MODES:
         raise NeedleTwinError(f"--mode {mode!r} is not one of {', '.join(MODES)}")
-    adapter = adapter_of(config)
-    profile = profile or get_profile(adapter.budgets, dtype, device_class(torch_device_name, jax_platform))
+    profile = profile or get_profile(adapter.budgets, dtype, device_class(torch_device, jax_platform))
     if profile.dtype != dtype:
         raise NeedleTwinError(f"tolerance profile {profile.name} is for {profile.dtype}, but the run computes in "
                               f"{dtype}; pick the {dtype} profile or drop --profile")
-    note = None
-    if adapter.prepare is not None:
-        config, note = adapter.prepare(config, dtype, jax_platform)
-    with pinned_precision(pin_precision):
-        twins = build_twins(adapter, config, flax_params, dtype, torch_params, torch_device_name, jax_platform)
+    run_config, note = adapter.prepare(config, dtype, jax_platform)
+    return RunSpec(adapter, run_config, dtype, mode, profile, torch_device, jax_platform, pin_precision, grads,
+                   generate, None if suppress_tokens is None else tuple(suppress_tokens), note,
+                   adapter.depths(config, depth))
+
+
+def run(spec: RunSpec, flax_params: Mapping[str, Any], batch: Batch, *,
+        torch_params: Mapping[str, Any] | None = None, lora: Any = None, model_info: Mapping[str, Any] | None = None,
+        seeds: Mapping[str, Any] | None = None) -> Report:
+    """Compare the twins probe by probe (and gradients and greedy generation); a judged Report.
+
+    flax_params / torch_params: nested upstream Flax trees of numpy arrays (torch_params: a torch checkpoint
+    already mapped to the Flax layout; None = convert flax_params in memory). lora: an adapter of a family with
+    LoRA (Needle 2): its A/B gradients are compared too (flax_params is the base; the probes run the base).
+    """
+    adapter, config = spec.adapter, spec.config
+    with pinned_precision(spec.pin_precision):
+        twins = build_twins(adapter, config, flax_params, spec.dtype, torch_params, spec.torch_device,
+                            spec.jax_platform)
+        twins.depths = spec.depths
         table = adapter.probe_table(twins)
         ref = adapter.flax_probes(twins, batch)
-        test = adapter.torch_probes(twins, batch, ref if mode == "isolated" else None)
+        test = adapter.torch_probes(twins, batch, ref if spec.mode == "isolated" else None)
         results = compare_probes(table, test, ref)
-        gradients = gradient_parity(twins, batch) if grads else None
-        lora_gradients = None
-        if lora is not None:
-            if adapter.lora_gradients is None:
-                raise NeedleTwinError(f"the {adapter.family} family has no LoRA adapters; drop --lora")
-            lora_gradients = adapter.lora_gradients(twins, batch, lora)
-        generation = None
-        if generate and adapter.generation is not None:
-            generation = adapter.generation(twins, batch, generate, suppress_tokens)
+        gradients = gradient_parity(twins, batch) if spec.grads else None
+        lora_gradients = None if lora is None else adapter.lora_gradients(twins, batch, lora)
+        generation = adapter.generation(twins, batch, spec.generate, spec.suppress_tokens) if spec.generate else None
         env = environment(twins, seeds or {})
-        env["precision"]["pinned"] = pin_precision
-    model = {"family": adapter.family, "config": config.to_dict(), **(model_info or {})}
-    report = Report(mode=mode, dtype=dtype, num_params=count_params(flax_params), profile=profile, probes=results,
-                    inputs=batch.describe(config.pad_token_id), model=model, environment=env, gradients=gradients,
-                    generation=generation, lora_gradients=lora_gradients)
-    report = score(report, profile)
-    if note:
-        report.notes.append(note)
-    if mode == "propagated" and report.first_divergence is not None:
+        env["precision"]["pinned"] = spec.pin_precision
+    model = {"family": adapter.name, "config": config.to_dict(), **(model_info or {})}
+    report = Report(mode=spec.mode, dtype=spec.dtype, num_params=count_params(flax_params), profile=spec.profile,
+                    probes=results, inputs=batch.describe(config.pad_token_id), model=model, environment=env,
+                    gradients=gradients, generation=generation, lora_gradients=lora_gradients)
+    report = score(report, spec.profile)
+    if spec.note:
+        report.notes.append(spec.note)
+    if spec.depths:
+        report.notes.append(depth_note(report, spec.depths))
+    if spec.mode == "propagated" and report.first_divergence is not None:
         report.notes.append("propagated errors include drift from every earlier stage; --mode isolated feeds each "
                             "torch stage the Flax input and shows that stage's own error")
     return report
+
+
+def run_parity(config: Any, flax_params: Mapping[str, Any], batch: Batch, *,
+               torch_params: Mapping[str, Any] | None = None, lora: Any = None,
+               model_info: Mapping[str, Any] | None = None, seeds: Mapping[str, Any] | None = None,
+               **options: Any) -> Report:
+    """`run` for a config of any family: its adapter looked up, `options` (RunSpec's, see `resolve`) resolved."""
+    return run(resolve(adapter_of(config), config, **options), flax_params, batch, torch_params=torch_params,
+               lora=lora, model_info=model_info, seeds=seeds)

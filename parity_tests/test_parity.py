@@ -46,7 +46,7 @@ def _run(ckpt_or_cfg, batch, device, **kw):
         cfg, params = ckpt_or_cfg, random_flax_params(ckpt_or_cfg, seed=0)
     else:
         cfg, params = ckpt_or_cfg.config, ckpt_or_cfg.params
-    return run(cfg, params, batch, torch_device_name=device.torch, jax_platform=device.jax, **kw)
+    return run(cfg, params, batch, torch_device=device.torch, jax_platform=device.jax, **kw)
 
 
 # ----------------------------------------------------------------------------- float32
@@ -84,7 +84,7 @@ def test_float32_configs_with_a_fully_padded_row(device, name):
 # ----------------------------------------------------------------------------- half precision
 
 
-@pytest.mark.slow  # bf16 gradients compile for ~10 s
+@pytest.mark.slow  # bf16 gradients compile slowly
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("mode", ["propagated", "isolated"])
 def test_half_precision_fixture_passes_its_profile(device, dtype, mode, fixture_checkpoint, fixture_batch):

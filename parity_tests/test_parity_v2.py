@@ -59,7 +59,7 @@ def test_float32_fixture_within_1e_5_on_every_probe(ckpt, fixture_batch, mode):
         assert p.metrics["rel_l2"] <= F32_PROMISE and max_rel_of(p.metrics) <= F32_PROMISE, p.name
 
 
-CONFIGS = {  # the shapes twin-vs-twin must cover (issue: D not a power of two, MHA/GQA/MQA, attn_dim != D, ...)
+CONFIGS = {  # the shapes twin-vs-twin must cover (D not a power of two, MHA/GQA/MQA, attn_dim != D, ...)
     "d48-mqa-orders234": dict(d_model=48, num_heads=4, num_kv_heads=1, engram_orders=(2, 3, 4), mhc_lanes=3,
                               engram_layers=(0, 2), engram_slots=31),
     "attn-dim-mha-4lanes-heads2": dict(d_model=64, attn_dim=32, num_heads=2, num_kv_heads=2, engram_heads=2,
@@ -204,7 +204,7 @@ def test_float32_generation_cached_equals_recompute_and_twins(ckpt, fixture_batc
                                                                          empty_rows=1)
     report = run(config, params, batch, generate=6)
     gen = report.generation
-    # issue 14: greedy tokens identical in float32, cached within 1e-5 of the recompute loop at every step
+    # greedy tokens identical in float32, cached within 1e-5 of the recompute loop at every step
     assert gen["tokens_equal"] and gen["first_diff_step"] is None and gen["steps_compared"] >= 1
     assert gen["logits_max_rel"] <= F32_PROMISE
     assert gen["flax_cached_vs_recompute_max_rel"] <= F32_PROMISE

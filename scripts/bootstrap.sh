@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install needle-twin with everything its tests and reports use.
-# torch is pinned to the CPU build 2.13.0 here; pyproject keeps the range open for users.
+# torch is pinned to the CPU build 2.13.0 here, inside pyproject's range (the versions the tests pass on).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 .venv/bin/ruff check .
 # Two workers on a 2-core machine, one thread each: a torch or XLA pool of two threads per worker only spins against
-# the other worker (measured on a 2-core AVX2 VM: 268 against 288 s for the Flax model, v1 API and v2 parity files).
+# the other worker.
 # --dist loadgroup keeps each xdist_group on one worker, so the compiled-generation tests that share a torch.compile
 # graph build it once (tests/v2/test_torch_generate.py).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

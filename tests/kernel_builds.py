@@ -1,4 +1,4 @@
-"""A kernel module of needle_torch (cpu_attention, cpu_decode, cpu_hadamard, cpu_prefill, cpu_route, cpu_sinkhorn)
+"""A kernel module of needle_torch (cpu_attention, cpu_decode, cpu_hadamard, cpu_prefill, cpu_sinkhorn)
 made to fail its build or to record it, for the tests of the build-once-or-warn rule (kernels.build_once) and of when
 a module builds at all."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from needle_torch import kernels
+from needle_torch.fast import kernels
 
 
 def without_compiler(monkeypatch: pytest.MonkeyPatch, module) -> None:

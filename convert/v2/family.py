@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from convert.family import Family
+from convert.family import CliOption, Family
 from convert.v2 import mapping
 from convert.v2.config import NEEDLE_V2_PUBLISHED, TransformerConfig
 
@@ -21,4 +21,15 @@ FAMILY = Family(
     default_groups=mapping.DEFAULT_GROUPS,
     pickle_version=2,
     pickle_keys=("format_version", "params", "config", "step", "run"),
+    parity_options=(CliOption("seq_len", int, "sequence length of the random batch", default=64),),
+    generate_options=(
+        CliOption("system", str, "a system turn before the user turn, as upstream renders it"),
+        CliOption("kv_window", int, "attention sees the last W positions (plus sinks); 0 = all, as upstream's "
+                                    "generate_cached defaults", default=0, min=0),
+        CliOption("sink_tools", bool, "with --kv-window: keep the prompt up to </tools> visible as sinks "
+                                      "(upstream's generate_cached pins none)", default=False),
+        CliOption("temperature", float, "0 = greedy (upstream's default); above 0, sample from softmax(logits / T)",
+                  default=0.0, min=0.0),
+        CliOption("seed", int, "the sampling seed (with --temperature)"),
+    ),
 )

@@ -1,6 +1,6 @@
 """Needle 2 in Flax: upstream's decoder-only model (engram memory, mHC lanes, MTP and probe heads), param for
 param; cached generation compiled once (`generate`), upstream's recompute loop (`generate_recompute`), and the
-port of upstream's own decode.py (`needle_flax.v2.decode`, the reference and benchmark baseline)."""
+port of upstream's own decode.py (`tests.v2.upstream_decode`, the reference and benchmark baseline)."""
 
 from convert.v2.config import TransformerConfig
 from needle_flax.layers import make_attention_mask, make_causal_mask, make_causal_packing_mask, make_padding_mask

@@ -12,7 +12,7 @@ copies (seconds, not minutes, at the published size) and computes what the forwa
 the config's dtype (float32 reproduces upstream's decode.py, which always runs in float32).
 `generate_recompute` is upstream's run.py loop: the whole PAD-filled buffer re-run through
 `__call__` for every new token, the logits read at the current position. The port of upstream's
-own cached decoding, kept for the goldens and the benchmark, is needle_flax/v2/decode.py.
+own cached decoding, kept for the goldens and the benchmark, is tests/v2/upstream_decode.py.
 
 Contract (shared with needle_torch.v2.generate): prompts (B, P) left-padded with pad_token_id,
 valid from each row's first non-pad token on; each row stops at its first EOS (kept) and holds

@@ -7,9 +7,9 @@ into this tree and the fixtures were computed by upstream's code. The additions 
 caller makes "intermediates" mutable, and without parameters. They travel through the layer
 scan, so per-layer values come out stacked on axis 0.
 
-Shapes: B batch, T length, D d_model, A attn_dim, H heads, K kv heads, h head dim (A/H),
-L layers, n mHC lanes, G engram sites, P Hadamard width (power of two >= D), V vocab,
-c contrastive dim, C pooled cells (T·(L+1)), p probes.
+Shapes: B batch, T length, D d_model, A attn_dim, H heads, K kv heads, g = H/K query heads per kv head,
+h head dim (A/H), L layers, n mHC lanes, G engram sites, N engram tables, P Hadamard width (power of two >= D),
+V vocab, c contrastive dim, C pooled cells (T·(L+1)), p probes.
 """
 
 from __future__ import annotations

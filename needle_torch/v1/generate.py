@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from convert.generation import check_generate_args
-from needle_torch.kernels import CompiledStep, keep_heap_for
+from needle_torch.fast.kernels import CompiledStep, fast_paths
 from needle_torch.layers import make_causal_mask, make_padding_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
@@ -73,7 +73,6 @@ def _prepare(model: nn.Module, src, src_mask, max_new_tokens: int, eos_token_id:
     without dropout whatever the model's mode, as Flax's generate."""
     suppress = check_generate_args(model.config, src, src_mask, max_new_tokens, eos_token_id, pad_token_id,
                                    suppress_tokens)
-    keep_heap_for(model.device)  # on CPU, requests reuse the memory earlier ones freed (kernels.HEAP_ENV)
     src = torch.as_tensor(src, device=model.device)
     src_mask = make_padding_mask(src, pad_token_id) if src_mask is None else torch.as_tensor(src_mask,
                                                                                             device=model.device)
@@ -93,7 +92,7 @@ def _step_and_pick(model: nn.Module, tokens: Tensor, cache, pos: int | Tensor, c
 @torch.inference_mode()
 def generate(model: nn.Module, src: Tensor, src_mask: Tensor | None = None, max_new_tokens: int = 64,
              eos_token_id: int = 1, suppress_tokens: Iterable[int] | None = None, pad_token_id: int = 0, *,
-             streamer: Streamer | None = None, return_logits: bool = False, compile: bool = False):
+             streamer: Streamer | None = None, return_logits: bool = False, compile: bool = False, fast: bool = True):
     """Greedy cached generation from EOS; LongTensor (B, 1 + steps), or (tokens, float32 logits (B, steps, V)).
 
     src: (B, S) token ids, right-padded with pad_token_id; src_mask: bool (B, 1, 1, S) encoder/cross mask (None: the
@@ -102,19 +101,27 @@ def generate(model: nn.Module, src: Tensor, src_mask: Tensor | None = None, max_
     suppression). Runs in the model's dtype and on its device, never with dropout (the mode is left as it is).
     compile: run each decoder step and its greedy choice as one torch.compile graph with fixed shapes (attends over
     the whole cache under a mask). On CPU at batch <= 4 the step's products are written as reductions
-    (needle_torch.kernels.REDUCE_MAX_ROWS) that inductor fuses into a few passes reading every weight once in its
+    (needle_torch.fast.kernels.REDUCE_MAX_ROWS) that inductor fuses into a few passes reading every weight once in its
     own dtype. Compiles once per (batch, source length, max_new_tokens, dtype, mask or not, suppress or not);
     EOS/pad ids and the suppressed set are tensor inputs, so new values reuse the graph. 15-30 s on 2 CPU cores the
     first time, seconds when inductor's disk cache hits. Past dynamo's recompile limit a request runs eagerly with a
-    needle_torch.kernels.CompileFallbackWarning. At the published size, batch 1, a step then takes 2.4 ms instead of
-    10 ms in bfloat16 (benchmarks/bench_generate.py). Guards are checked on a request's first step only: later steps
+    needle_torch.fast.kernels.CompileFallbackWarning. Guards are checked on a request's first step only: later steps
     run under torch.compiler.set_stance(skip_guard_eval_unsafe), which is process-wide, so compiled generation is
     not for concurrent threads. float32 logits stay within 1e-6 of eager; in bfloat16 inductor keeps some
     intermediates in float32, as XLA's jit does, so logits move by up to ~1e-2 relative (2e-3 at the published size,
-    7e-3 on the fixtures, same tokens). On CPU the first call fixes glibc's heap thresholds for the process, so that
-    requests reuse freed memory (needle_torch.kernels.keep_heap: process-wide, on purpose; NEEDLE_TWIN_HEAP=system
-    leaves glibc's defaults).
+    7e-3 on the fixtures, same tokens).
+    fast: the speed forms of needle_torch.fast (reduced and packed products, the CPU's bf16 path); False runs the
+    plain modules as written, eagerly or under a plain torch.compile: the baseline the fast forms are measured
+    against.
     """
+    with fast_paths(fast):
+        return _generate(model, src, src_mask, max_new_tokens, eos_token_id, suppress_tokens, pad_token_id,
+                         streamer, return_logits, compile)
+
+
+def _generate(model, src, src_mask, max_new_tokens, eos_token_id, suppress_tokens, pad_token_id, streamer,
+              return_logits, compile):
+    """generate's body, run inside fast_paths(fast)."""
     src, src_mask, suppress, encoder_out = _prepare(model, src, src_mask, max_new_tokens, eos_token_id,
                                                     pad_token_id, suppress_tokens)
     L = int(max_new_tokens)

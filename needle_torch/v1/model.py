@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from convert.v1.config import TransformerConfig
-from needle_torch.kernels import Linear, as_reduction, matmul_nt, reduces_when_compiled, stored
+from needle_torch.fast.kernels import Linear, as_reduction, matmul_nt, reduces_when_compiled, stored
 from needle_torch.layers import (
     Tap,
     ZCRMSNorm,

@@ -16,13 +16,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from convert.v2.config import ENGRAM_TAPS, TransformerConfig
-from needle_torch.kernels import Linear
+from needle_torch.fast.kernels import Linear
 from needle_torch.v2.lanes import aq
 
 HASH_SEED = 0x9E3779B9  # table k starts from (SEED · (k + 1)) mod 2^32
 HASH_PRIME = 0x01000193  # FNV-1a's 32-bit prime
 HASH_SHIFT = 15
 MASK32 = 0xFFFFFFFF
+
+
+def shift_right(valid: Tensor, offset: int) -> Tensor:
+    """valid moved `offset` steps later on the time axis (axis 1), False/zeros shifted in at the start: (B, T)."""
+    return F.pad(valid, (offset, 0))[:, :valid.shape[1]]
+
+
+def mask_diag(mask: Tensor, offset: int) -> Tensor:
+    """diag_o[b, t] = mask[b, 0, t, t - o], False where t < o: may position t see position t - o? (B|1, 1, T, T)
+    -> (B|1, T)."""
+    m = mask[:, 0]  # (B|1, T, T)
+    B, T, _ = m.shape
+    if offset >= T:
+        return m.new_zeros((B, T))
+    d = torch.diagonal(m, offset=-offset, dim1=1, dim2=2)  # (B, T - o)
+    return torch.cat([d.new_zeros((B, offset)), d], dim=1)  # (B, T)
 
 
 def engram_indices(tokens: Tensor, config: TransformerConfig) -> Tensor:
@@ -46,43 +62,16 @@ def engram_indices(tokens: Tensor, config: TransformerConfig) -> Tensor:
     return torch.cat(cols, dim=-1)  # (B, T, N)
 
 
-def _diagonal(mask: Tensor, offset: int) -> Tensor:
-    """diag_o[b, t] = mask[b, t, t - o] for t >= o, False before: (B, T, T) -> (B, T)."""
-    B, T, _ = mask.shape
-    if offset >= T:
-        return mask.new_zeros((B, T))
-    d = torch.diagonal(mask, offset=-offset, dim1=1, dim2=2)  # (B, T - o)
-    return torch.cat([d.new_zeros((B, offset)), d], dim=1)  # (B, T)
-
-
 def engram_masks(mask: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
     """(ngram_ok (B, T, N), tap_ok (4, B, T)) bool, read off the attention mask (B|1, 1, T|1, T).
 
     ngram_ok[..., k] = diag_{o-1} for table k's order o; tap_ok[j] = diag_{j·max(O)}. B is the mask's (1 for
     the default causal mask: broadcast over the batch). The masks inherit padding, windows and packing."""
     T = mask.shape[-1]
-    m = mask.expand(mask.shape[0], 1, T, T)[:, 0]  # (B, T, T)
+    m = mask.expand(mask.shape[0], 1, T, T)  # (B, 1, T, T)
     E, dil = config.engram_heads_resolved, config.engram_dilation
-    ngram = [_diagonal(m, order - 1) for order in config.engram_orders for _ in range(E)]
-    taps = [_diagonal(m, j * dil) for j in range(ENGRAM_TAPS)]
-    return torch.stack(ngram, dim=-1), torch.stack(taps, dim=0)
-
-
-def _shift(valid: Tensor, offset: int) -> Tensor:
-    """valid[b, t - offset], False before the start: (B, T) -> (B, T)."""
-    return F.pad(valid, (offset, 0))[:, :valid.shape[1]]
-
-
-def engram_history_masks(valid: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
-    """(ngram_ok (B, T, N), tap_ok (4, B, T)) bool from token validity (B, T), as cached decoding builds them.
-
-    Upstream's decode reads no attention mask: ngram_ok[..., k] = valid shifted right by o - 1 (table k's order
-    o) and tap_ok[j] = valid shifted by j·max(O), False before the start. For validity that starts at each row's
-    first real token (left padding) this is engram_masks of causal ∧ key-valid; a kv_window never enters it
-    (NEEDLE_V2.md §6, differences 2)."""
-    E, dil = config.engram_heads_resolved, config.engram_dilation
-    ngram = [_shift(valid, order - 1) for order in config.engram_orders for _ in range(E)]
-    taps = [_shift(valid, j * dil) for j in range(ENGRAM_TAPS)]
+    ngram = [mask_diag(m, order - 1) for order in config.engram_orders for _ in range(E)]
+    taps = [mask_diag(m, j * dil) for j in range(ENGRAM_TAPS)]
     return torch.stack(ngram, dim=-1), torch.stack(taps, dim=0)
 
 
@@ -122,24 +111,10 @@ class Engram(nn.Module):
 
     def _tapped_values(self, e: Tensor, lo: int) -> list[Tensor]:
         """v = value_proj(e) (B, T, D) shifted by each tap: [v[t - j·dil] for t in lo..T-1] for j < 4, zeros before
-        the start. Where the taps read fewer rows than T (cached decoding's steps: 4 of the window's W + 1), only
-        those rows are projected, one product over the 4 blocks of rows (each row's value as the full product's, up
-        to the kernel's order of the float32 sum); else all T rows once, then shifted. Published size, batch 32,
-        float32, the torch.compile step with each form, alternating step by step in one process on a 2-core Zen 4
-        EPYC (80 pairs): the value product 128 rows instead of 416, steps 58.6 against 60.7 ms (medians; faster in
-        76 % of the pairs), the logits bit for bit."""
-        B, T, _ = e.shape
-        n = T - lo
-        if ENGRAM_TAPS * n >= T:  # a prefill or a forward: every row is read
-            v = self.value_proj(e)
-            return [v[:, lo:] if j == 0 else F.pad(v, (0, 0, j * self.dilation, 0))[:, lo:T]
-                    for j in range(ENGRAM_TAPS)]
-        blocks = []
-        for j in range(ENGRAM_TAPS):  # rows lo - j·dil .. T-1 - j·dil; those before the start are zeros, whose
-            start, stop = lo - j * self.dilation, T - j * self.dilation  # value is 0 (value_proj has no bias)
-            block = e[:, max(start, 0):max(stop, 0)]
-            blocks.append(block if start >= 0 else F.pad(block, (0, 0, n - block.shape[1], 0)))
-        return list(self.value_proj(torch.cat(blocks, dim=1)).split(n, dim=1))  # (B, 4·n, D) -> 4 x (B, n, D)
+        the start."""
+        T = e.shape[1]
+        v = self.value_proj(e)
+        return [v[:, lo:] if j == 0 else F.pad(v, (0, 0, j * self.dilation, 0))[:, lo:T] for j in range(ENGRAM_TAPS)]
 
 
-__all__ = ["HASH_PRIME", "HASH_SEED", "Engram", "engram_history_masks", "engram_indices", "engram_masks"]
+__all__ = ["HASH_PRIME", "HASH_SEED", "Engram", "engram_indices", "engram_masks", "mask_diag", "shift_right"]

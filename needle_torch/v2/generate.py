@@ -13,33 +13,100 @@ Shapes: B batch, P prompt length (padded), G = max_new_tokens, M = P + G buffer 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from convert.errors import GenerationError
+from convert.v2.config import ENGRAM_TAPS, TransformerConfig
 from convert.v2.generation import check_generate_args, prompt_validity
-from needle_torch import cpu_decode, cpu_hadamard, cpu_prefill, cpu_route, cpu_sinkhorn
-from needle_torch.kernels import CompiledStep, keep_heap_for, prefill_rows
+from needle_torch.fast import cpu_decode, cpu_hadamard, cpu_prefill, cpu_sinkhorn
+from needle_torch.fast.kernels import CompiledStep, enabled, fast_paths, prefill_rows
 from needle_torch.layers import make_causal_mask
+from needle_torch.v2.engram import shift_right
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
 
-# Inductor settings for the compiled step, measured at the published size (bf16, batch 1, one thread, CPU time a
-# step): materialise any fused expression of more than 8 ops instead of recomputing it inside the reductions
-# that read it (a normed input was re-normed once per output row of every projection): 10.5 -> 8.4 ms; no size
-# or alignment asserts in the wrapper (thousands of Python calls a step across 27 layers): 14.3 -> 12.5 ms.
+# Inductor settings for the compiled passes: materialise a fused expression of more than 8 ops rather than recompute
+# it inside every reduction that reads it, and no size asserts in the wrapper (thousands of Python calls a step).
 STEP_OPTIONS = {"realize_cpu_opcount_threshold": 8, "size_asserts": False}
-# The compiled prefill's: the step's, and every fused kernel's loops in the order of its output's layout instead of
-# the order inductor picks from the strides of its reads. The lane mix (mix_out) reads the (n, n) routing weights
-# token-innermost (Sinkhorn's compiled layout), so the picked order ran lane-outermost and read all the lanes once
-# per output lane: 4.4-5.1 against 2.2 ms a layer for 2048 tokens. Batch-32 compiled prefills of 256 tokens at the
-# published size, 2 threads of a 2-core Zen 4 EPYC, the two option sets alternating in one process: float32 fused
-# kernels 1260 against 897 ms in all (profiled, medians of 4), wall 6.02 against 5.62 s (medians of 8, a noisy host);
-# bf16 4.59 against 4.08 s (medians of 10); batch 1 unchanged (float32 185 against 182 ms, bf16 122 against 124 ms).
-# The decode step keeps inductor's picks: batch-32 float32 steps 50.9 against 50.5 ms, within noise.
-PREFILL_OPTIONS = {**STEP_OPTIONS, "pick_loop_orders": False}
+
+
+# ----------------------------------------------------------------------------- masks and the cache
+
+
+def make_decode_mask(positions: Tensor, valid: Tensor, window: int = 0, sink: Tensor | None = None) -> Tensor:
+    """The key mask of upstream's cached decoding (§6): (B, 1, S, M) bool for queries at buffer positions
+    `positions` (S,) over keys 0..M-1 with validity `valid` (B, M) and sinks `sink` (B, M) or None.
+
+    Key k is visible from query q iff k <= q ∧ valid_k [∧ (q - k < window ∨ sink_k)], or k = q: upstream's flash
+    prefill ORs the diagonal so that left-pad rows see themselves (finite, exact goldens); in a single step the
+    query is a generated, always valid position, so the diagonal changes nothing there."""
+    keys = torch.arange(valid.shape[1], device=valid.device)
+    back = positions[:, None] - keys[None, :]  # (S, M): q - k
+    ok = (back >= 0)[None] & valid[:, None, :]  # (B, S, M)
+    if window > 0:
+        near = (back < window)[None]  # (1, S, M)
+        ok = ok & (near if sink is None else near | sink[:, None, :])
+    return (ok | (back == 0)[None])[:, None]  # (B, 1, S, M)
+
+
+def engram_history_masks(valid: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor]:
+    """(ngram_ok (B, T, N), tap_ok (4, B, T)) bool from token validity (B, T), as cached decoding builds them.
+
+    Upstream's decode reads no attention mask: ngram_ok[..., k] = valid shifted right by o - 1 (table k's order
+    o) and tap_ok[j] = valid shifted by j·max(O), False before the start. For validity that starts at each row's
+    first real token (left padding) this is engram_masks of causal ∧ key-valid; a kv_window never enters it
+    (NEEDLE_V2.md §6, differences 2)."""
+    E, dil = config.engram_heads_resolved, config.engram_dilation
+    ngram = [shift_right(valid, order - 1) for order in config.engram_orders for _ in range(E)]
+    taps = [shift_right(valid, j * dil) for j in range(ENGRAM_TAPS)]
+    return torch.stack(ngram, dim=-1), torch.stack(taps, dim=0)
+
+
+@dataclass
+class DecodeCache:
+    """One cached-decoding request's state (upstream's decode.py, §6), preallocated for M buffer positions.
+
+    k, v: one (B, K, M, h) buffer per layer, in the compute dtype: K after k_norm and RoPE, V as projected. Separate
+    tensors, not views of one: a compiled region writes into its inputs correctly only then (torch 2.13). The
+    forward rounds both to the compute dtype before attending, so this holds exactly what it would attend over
+    (upstream's decode keeps float32 caches because it runs everything in float32; so does a float32 model here).
+    hist (B, W + M) int64 and valid (B, W + M) bool: the token at every buffer position and upstream's `valid`
+    (key_valid and hist_valid), behind W = 4·max(O) leading zeros / False, so the engram's history window
+    [pos - W, pos + S) is one slice at every position. sink (B, M) bool or None and window (kv_window, 0 = off)
+    shape the attention mask only. rope: cos, sin (M, h/2), and offsets: every layer's lane_offsets, computed
+    once. logits_weight: the tied embedding upcast to float32 once per request (None: read in place, under
+    compile or for a float32 model). fused: the C++ decode-layer kernel's state (cpu_decode.fuse) when single
+    steps run through it (None: they do not)."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    hist: Tensor
+    valid: Tensor
+    sink: Tensor | None
+    window: int
+    rope: tuple[Tensor, Tensor]
+    offsets: list[tuple[Tensor, Tensor]]
+    logits_weight: Tensor | None = None
+    fused: cpu_decode.Fused | None = None
+
+    def rows(self, start: int, stop: int) -> DecodeCache:
+        """The same state for batch rows start..stop-1: views, so writing through it fills this cache (without the
+        kernel state, whose tables point at the whole batch's buffers; only prefills take rows)."""
+        return replace(self, k=[t[start:stop] for t in self.k], v=[t[start:stop] for t in self.v],
+                       hist=self.hist[start:stop], valid=self.valid[start:stop],
+                       sink=None if self.sink is None else self.sink[start:stop], fused=None)
+
+
+# ----------------------------------------------------------------------------- one step and its choice
+
+
+def options(fast_options: dict) -> dict | None:
+    """The inductor options of a compiled pass: `fast_options` with the fast forms on, inductor's defaults without."""
+    return fast_options if enabled() else None
 
 
 def pick(logits: Tensor, done: Tensor, eos: int | Tensor, pad: int | Tensor, noise: Tensor | None = None,
@@ -73,7 +140,7 @@ def prefill_in_chunks(model: nn.Module, prompts: Tensor, cache, compiled: bool =
     for start in range(0, B, rows):
         n = min(rows, B - start)
         if n not in passes:
-            passes[n] = CompiledStep(_prefill, PREFILL_OPTIONS) if compiled else _prefill
+            passes[n] = CompiledStep(_prefill, options(STEP_OPTIONS)) if compiled else _prefill
         out.append(passes[n](model, prompts[start:start + n], cache if n == B else cache.rows(start, start + n)))
     return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -157,7 +224,6 @@ def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, sink, temperat
     B, P = prompts.shape
     G = int(max_new_tokens)
     device = model.device
-    keep_heap_for(device)  # on CPU, requests reuse the memory earlier ones freed (kernels.HEAP_ENV)
     valid = torch.from_numpy(prompt_validity(prompts, pad_token_id)).to(device)
     valid = F.pad(valid, (0, G), value=True)  # (B, M): every generated position is valid
     if sink is not None:
@@ -171,7 +237,7 @@ def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, sink, temperat
 def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: int = 0, temperature: float = 0.0,
              seed: int | None = None, sink=None, eos_token_id: int | None = 1, pad_token_id: int = 0,
              return_logits: bool = False, return_logprobs: bool = False, streamer: Streamer | None = None,
-             compile: bool | str = False):
+             compile: bool | str = False, fast: bool = True):
     """Cached generation: the new tokens LongTensor (B, max_new_tokens), plus (logits, logprobs) on request.
 
     tokens: (B, P) prompts (BOS included), left-padded with pad_token_id as upstream's batched path lays them out;
@@ -196,46 +262,29 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     fewer when every row stopped early); return_logprobs: the chosen tokens' log_softmax of the *unscaled*
     logits (B, steps), 0 after a row's EOS. The result is (tokens, logits, logprobs) with the requested ones.
     streamer: called with each step's (B,) tokens on the CPU, in order.
-    compile: the fast step. On CPU at <= cpu_decode.max_rows rows (16; 32 for bf16 where its products run on the
-    CPU's bf16 units: batch 32 48.0 against 70.7 ms a step for the torch.compile one on AMX tiles, 26.9-30.8 against
-    32.8-39.7 ms with the AVX512-BF16 dot products alone), float32 or bf16, the twin's own plain modules (no hooks, no
-    LoRA wrappers), every step runs through the C++ kernels of cpu_decode instead of a graph:
-    the engram sites, the lane layers (one call), the logits; eager's roundings, float32 sums in another order (f32
-    logits within 1e-6 of eager on the fixture, bf16 layers bit for bit on the test models). At the published size
-    on a 2-core AMX Xeon, batch 1, the kernels' steps against the torch.compile step side by side: float32 69.9
-    against 43.6 tok/s, bf16 115.2 against 53.0 (65 % of the memory bound measured in the same process), with no
-    graph to compile (the kernels build once, ~25-35 s cold, then come from inductor's disk cache). Elsewhere (more
-    rows, CUDA, another dtype or a width the kernels do not take): every step and its choice as one torch.compile
-    graph (a 0-d position tensor and a static cache, so one graph serves every step; the prefill stays eager). The
-    lane layer is a nested compile region (model.decode_layer) traced once for all layers, so compiling takes ~30-60
-    s at the published size on 2 cores, not minutes. On CPU the attention over the cache, and at <=
-    kernels.REDUCE_MAX_ROWS rows every product, are fused multiply-and-sums that read weights and cache in their own
-    dtype (STEP_OPTIONS); from cpu_attention.MIN_UNITS rows x kv heads on (batch 8 at the published size), the
-    attention is a C++ kernel of the same arithmetic instead (cpu_attention: batch 32 float32 steps 18 % faster);
-    above REDUCE_MAX_ROWS rows, in steps and compiled prefills, so are the lane routing's Sinkhorn (cpu_sinkhorn),
-    the Hadamard MLP (cpu_hadamard, float32 and bf16) and in bf16, where the CPU has the AVX512-BF16 dot products,
-    the lane routing's projections (cpu_route), each built once per width before the first compile; a compiled
-    prefill's attention is one too (cpu_prefill).
+    compile: True compiles the decoding steps, "all" the prefill too (once per chunk rows, prompt length, buffer
+    length and dtype: it pays where requests repeat a shape). With fast on, a CPU step of at most
+    cpu_decode.max_rows rows (float32 or bf16, the twin's own modules without hooks or LoRA wrappers) runs through
+    the C++ kernels of cpu_decode instead of a graph; otherwise every step and its choice is one torch.compile graph
+    (a 0-d position tensor and a static cache, so one graph serves every step; the lane layer a nested compile
+    region traced once for all layers), in which needle_torch.fast's forms replace the pieces they apply to.
     Compiles once per (batch, buffer length, dtype, greedy or sampled); later requests reuse the graph, guards
     checked on their first step only (kernels.CompiledStep: not for concurrent threads). float32 logits stay within
-    1e-6 of eager (6.5e-7 on the fixture; with the kernel, whose rounding is not SDPA's though as close to a float64
-    attention, 1.2e-6, and upstream's within 1e-5); in bfloat16 the compiled step keeps some intermediates in
-    float32, as XLA's jit does, so logits move by ~1-3e-2 relative from eager (fixture), within upstream's own
-    eager-vs-jit gap, and a greedy row can take another token where bf16 does not decide the choice.
-    compile="all": the prefill too, as one more torch.compile graph (upstream jits its prefill as well), compiled
-    once per (prefill chunk rows, prompt length, buffer length, dtype), so it pays where requests repeat a shape
-    (left-pad the prompts to one length, as upstream's pad_to does): at the published size on 2 cores the
-    batch-32 prefill of 256-token prompts took 5.5-5.9 s against 10.0-11.0 s eager in float32 and 4.1-4.5 against
-    7.7-8.1 s in bf16 (kernels.PREFILL_TOKENS), batch 1's 120-235 against 320-400 ms, for 55-90 s more compile
-    (benchmarks/bench_torch_v2.py; the eager ops of the lane routing and mixing fuse, and compiled CPU code takes
-    the Kronecker Walsh form and, in bf16, SDPA's attention). Not the default: a single request would wait longer
-    than it saves.
-    On CPU the first call fixes glibc's mmap and trim thresholds for the process (kernels.keep_heap), so that later
-    requests reuse the memory earlier ones freed instead of faulting fresh pages in (a batch-32 float32 request
-    faulted 75-220 thousand pages in without it, 0.4-2.2 s of system time on a 2-core VM): a process-wide setting,
-    on purpose; the process keeps its peak memory.
-    NEEDLE_TWIN_HEAP=system leaves glibc's defaults.
+    1e-6 of eager (upstream's within 1e-5); in bfloat16 the compiled step keeps some intermediates in float32, as
+    XLA's jit does, so logits move by ~1-3e-2 relative from eager, within upstream's own eager-vs-jit gap, and a
+    greedy row can take another token where bf16 does not decide the choice.
+    fast: the speed forms of needle_torch.fast (C++ kernels, packed and reduced products, the CPU's bf16 path);
+    False runs the plain modules as written, eagerly or under a plain torch.compile (no inductor options): the
+    baseline every fast form is measured against. The same function either way (float32 sums in another order).
     """
+    with fast_paths(fast):
+        return _generate(model, tokens, max_new_tokens, kv_window, temperature, seed, sink, eos_token_id,
+                         pad_token_id, return_logits, return_logprobs, streamer, compile, fast)
+
+
+def _generate(model, tokens, max_new_tokens, kv_window, temperature, seed, sink, eos_token_id, pad_token_id,
+              return_logits, return_logprobs, streamer, compile, fast):
+    """generate's body, run inside fast_paths(fast)."""
     step_compiled, prefill_compiled = compile_choice(compile)
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, temperature,
                                                   seed, eos_token_id, pad_token_id)
@@ -244,17 +293,16 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     fused = step_compiled and cpu_decode.applies(model, B)  # the C++ layer kernel instead of torch.compile
     traced = step_compiled and not fused
     cfg = model.config
-    if traced or prefill_compiled:  # the kernels those graphs call (the Sinkhorn; the Hadamard MLP; the routing)
+    if traced or prefill_compiled:  # the kernels those graphs call (the Sinkhorn; the Hadamard MLP)
         cpu_sinkhorn.prepare(cfg.mhc_lanes, device)
         cpu_hadamard.prepare(cfg.d_model, cfg.hada_dim, model.dtype, device)
-        cpu_route.prepare(cfg.mhc_lanes, cfg.d_model, model.dtype, device)
     if prefill_compiled:  # float32: the prefill's attention
         cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
     cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=traced, fused=fused)
     prefill = prefill_in_chunks(model, prompts, cache, prefill_compiled)  # (B, V) float32: chooses token 0
     # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
-    step = CompiledStep(_step_and_pick, STEP_OPTIONS) if traced else _step_and_pick
+    step = CompiledStep(_step_and_pick, options(STEP_OPTIONS)) if traced else _step_and_pick
     positions = torch.arange(P, P + G, device=device) if traced else range(P, P + G)
 
     def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):

@@ -11,15 +11,14 @@ softmax, probe pooling, the tied logits, the contrastive norm and the confidence
 Where upstream's JAX type promotion decides a dtype, the matching line says so, because
 torch promotes 0-d tensors and Python scalars differently (§10.13).
 
-Shapes: B batch, T length, D d_model, A attn_dim, H heads, K kv heads, G = H/K query heads
-per kv head (attention only), h head dim, P Hadamard width (power of two >= D), n lanes,
-L layers, V vocab, N engram tables, p probes, C = T·(L+1) cells, c contrastive dim.
+Shapes: B batch, T length, D d_model, A attn_dim, H heads, K kv heads, g = H/K query heads per kv head,
+h head dim (A/H), L layers, n mHC lanes, G engram sites, N engram tables, P Hadamard width (power of two >= D),
+V vocab, c contrastive dim, C pooled cells (T·(L+1)), p probes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,32 +27,32 @@ from torch import Tensor, nn
 from convert.errors import ConfigError
 from convert.v2.config import TransformerConfig
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, GROUPS
-from needle_torch import cpu_attention, cpu_decode, cpu_hadamard, cpu_prefill
-from needle_torch.kernels import (
+from needle_torch.fast import cpu_attention, cpu_decode, cpu_hadamard, cpu_prefill
+from needle_torch.fast.kernels import (
     Linear,
     as_reduction,
     compiling_for_cpu,
     matmul_nt,
     reduces_when_compiled,
     repeated_region,
-    shared_input,
     upcasts,
     walsh_entry,
 )
 from needle_torch.layers import Tap, ZCRMSNorm, apply_rope, make_attention_mask, make_causal_mask, precompute_rope_freqs
 from needle_torch.pretrained import Pretrained
-from needle_torch.v2.engram import Engram, engram_history_masks, engram_indices, engram_masks
+from needle_torch.v2.engram import Engram, engram_indices, engram_masks
+from needle_torch.v2.generate import DecodeCache, engram_history_masks, make_decode_mask
 from needle_torch.v2.generate import generate as generate_cached
 from needle_torch.v2.lanes import (
     aq,
     lane_offsets,
-    mix_in,
-    mix_out,
     post_weights,
     pre_weights,
+    read_lanes,
     res_weights,
     rms_unit,
     route,
+    write_lanes,
 )
 
 F32_MIN = torch.finfo(torch.float32).min
@@ -77,22 +76,6 @@ def make_window_mask(seq_len: int, window: int, sink: Tensor | None = None, devi
     if sink is not None:
         near = near | (sink != 0)[:, None, None, :]  # (B, 1, T, T)
     return near
-
-
-def make_decode_mask(positions: Tensor, valid: Tensor, window: int = 0, sink: Tensor | None = None) -> Tensor:
-    """The key mask of upstream's cached decoding (§6): (B, 1, S, M) bool for queries at buffer positions
-    `positions` (S,) over keys 0..M-1 with validity `valid` (B, M) and sinks `sink` (B, M) or None.
-
-    Key k is visible from query q iff k <= q ∧ valid_k [∧ (q - k < window ∨ sink_k)], or k = q: upstream's flash
-    prefill ORs the diagonal so that left-pad rows see themselves (finite, exact goldens); in a single step the
-    query is a generated, always valid position, so the diagonal changes nothing there."""
-    keys = torch.arange(valid.shape[1], device=valid.device)
-    back = positions[:, None] - keys[None, :]  # (S, M): q - k
-    ok = (back >= 0)[None] & valid[:, None, :]  # (B, S, M)
-    if window > 0:
-        near = (back < window)[None]  # (1, S, M)
-        ok = ok & (near if sink is None else near | sink[:, None, :])
-    return (ok | (back == 0)[None])[:, None]  # (B, 1, S, M)
 
 
 def write_kv(cache: tuple[Tensor, Tensor, int | Tensor], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,6 +107,90 @@ def sigmoid(x: Tensor) -> Tensor:
 def silu(x: Tensor) -> Tensor:
     """jax.nn.silu: x · sigmoid(x), the product rounded on its own (F.silu rounds once: a different bf16 value)."""
     return x * sigmoid(x)
+
+
+QUERY_BLOCK = 32  # query rows per block of the C++ prefill attention (cpu_prefill), each over the keys up to its last
+
+
+def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: bool = True,
+                          causal: bool = False) -> Tensor:
+    """Upstream's attention of q (B, H, T, h) over k, v (B, K, S, h); mask bool (B|1, 1, T, S), True = attend.
+
+    Query head j reads kv head j // g (consecutive GQA). Masked logits take a large finite negative (never -inf), so
+    a fully masked row is a uniform average, never NaN. float32: one function for upstream's two paths, through SDPA
+    with an additive finfo.min mask (equal to where(mask, s, min) exactly). Other dtypes: each path as upstream
+    computes it (they differ in bf16) -> flash: f32 logits of the dtype's q, k, f32 softmax, probabilities cast to
+    v's dtype, p·v in that dtype; non-flash: q·kᵀ rounded to the dtype, then f32, f32 softmax, p·v in float32.
+    causal: the mask hides every key after its query and the T queries are the last T of the S keys (a cached
+    prefill). Compiled CPU graphs take needle_torch.fast's forms of the same function where they apply: fused
+    multiply-and-sums for few queries, the C++ kernels of cpu_attention (steps of many rows) and cpu_prefill (causal
+    prefills, in blocks of QUERY_BLOCK queries), SDPA's fused bf16 kernel where the CPU has bf16 units."""
+    B, H, T, h = q.shape
+    K, S = k.shape[1], k.shape[2]
+    reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
+    if reduce and cpu_attention.applies(q, k, flash):  # many rows: the C++ kernel, the same arithmetic
+        return cpu_attention.attend(q, k, v, mask.expand(B, 1, 1, S).reshape(B, S), FLASH_NEG)  # (B, H, 1, h)
+    low = F32_MIN if q.dtype == torch.float32 else FLASH_NEG  # FLASH_NEG: finite in bf16 (F32_MIN rounds to -inf)
+    if not reduce and cpu_prefill.applies(q, k, causal, flash):  # a compiled prefill: the C++ kernel, the same blocks
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, low)
+        return cpu_prefill.attend(q, k, v, bias, QUERY_BLOCK)
+    # SDPA's bf16 products need bf16 units (kernels.bf16_path)
+    fused_bf16 = q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device)
+    if (q.dtype == torch.float32 or fused_bf16) and not reduce:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, low)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1 / math.sqrt(h),
+                                              enable_gqa=H != K)  # (B, H, T, h)
+    g = H // K
+    qg = q.reshape(B, K, g * T, h)  # (B, K, g·T, h): query heads k·g .. k·g + g-1 read kv head k
+    m = mask[:, :, None]  # (B|1, 1, 1, T, S)
+    if flash:
+        s = matmul_nt(qg, k, torch.float32, reduce).view(B, K, g, T, S) * (1 / math.sqrt(h))  # (B, K, g, T, S)
+        p = s.masked_fill(~m, FLASH_NEG).softmax(dim=-1).to(v.dtype).view(B, K, g * T, S)  # (B, K, g·T, S)
+        return matmul_nt(p, v.transpose(-1, -2), v.dtype, reduce).view(B, H, T, h)  # (B, H, T, h) in v's dtype
+    s = matmul_nt(qg, k, q.dtype, reduce).float().view(B, K, g, T, S) / math.sqrt(h)  # (B, K, g, T, S)
+    p = s.masked_fill(~m, F32_MIN).softmax(dim=-1).view(B, K, g * T, S)  # (B, K, g·T, S) float32
+    return matmul_nt(p, v.float().transpose(-1, -2), torch.float32, reduce).view(B, H, T, h)  # (B, H, T, h) f32
+
+
+# ----------------------------------------------------------------------------- attention and MLP
+
+
+class Attention(nn.Module):
+    """`self_attn`: q/k ZCRMSNorm per head, RoPE after the norms, GQA, a sigmoid output gate."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        D, A, h, K = config.d_model, config.attn_dim, config.head_dim, config.num_kv_heads
+        self.num_heads, self.num_kv_heads, self.head_dim, self.flash = config.num_heads, K, h, config.flash
+        self.q_proj = Linear(D, A, bias=False)
+        self.k_proj = Linear(D, K * h, bias=False)
+        self.v_proj = Linear(D, K * h, bias=False)
+        self.q_norm = ZCRMSNorm(h)
+        self.k_norm = ZCRMSNorm(h)
+        self.gate_proj = Linear(D, A, bias=False)
+        self.out_proj = Linear(A, D, bias=False)
+
+    def forward(self, x: Tensor, mask: Tensor, rope: tuple[Tensor, Tensor], quant: bool | Tensor = False,
+                cache: tuple[Tensor, Tensor, int | Tensor] | None = None) -> Tensor:
+        """cache: this layer's (k_buf, v_buf, pos) for cached decoding (write_kv); mask then covers its keys."""
+        B, T, _ = x.shape
+        H, K, h = self.num_heads, self.num_kv_heads, self.head_dim
+        x = aq(x, quant)
+        q, k, v, gate = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate_proj(x)
+        q = q.reshape(B, T, H, h).transpose(1, 2)  # (B, H, T, h)
+        k = k.reshape(B, T, K, h).transpose(1, 2)  # (B, K, T, h)
+        v = v.reshape(B, T, K, h).transpose(1, 2)  # (B, K, T, h)
+        q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, *rope).to(q.dtype)  # RoPE in float32 (the f32 tables promote), cast back like upstream
+        k = apply_rope(k, *rope).to(k.dtype)
+        if cache is not None:  # K after k_norm and RoPE, V as projected: what the next steps attend over
+            k, v = write_kv(cache, k, v)  # (B, K, M or pos + T, h)
+        # a cache at an int position: the queries are the last T of the keys, and the decode mask is causal
+        causal = cache is not None and not isinstance(cache[2], Tensor)
+        out = dot_product_attention(q, k, v, mask, self.flash, causal)  # (B, H, T, h)
+        out = out.transpose(1, 2).reshape(B, T, H * h)  # (B, T, A)
+        out = aq(out * sigmoid(gate), quant)  # f32 out (bf16 non-flash) promotes, as upstream
+        return self.out_proj(out.to(self.out_proj.weight.dtype))
 
 
 def walsh_matrix(size: int, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
@@ -184,16 +251,11 @@ def prepare_walsh(size: int, dtype: torch.dtype, device) -> None:
 def walsh_transform(x: Tensor) -> Tensor:
     """x · cast_dtype(H_P) over the last axis: upstream's dense product in x's dtype (float32 accumulation).
 
-    Eagerly kept dense on purpose: one GEMM (tensor cores on a GPU) that keeps bf16 layers bit-identical to
-    upstream's eager ones. Under torch.compile on CPU, rows of many tokens (a prefill, a batch-32 step) take the
-    Kronecker form instead, H_P = A ⊗ B (walsh_factors): X (rows, a, P/a) -> A·(X·B) in float32, rounded once to
-    x's dtype, the same function up to the order of the float32 sums (max|Δ|/max|ref| 4.4e-7 for the Hadamard
-    MLP at P = 512; in bf16 it can move an element by one ulp, within the compiled step's own bf16 drift) at
-    a·(P/a)·(a + P/a) = 24 K multiply-adds a row instead of 262 K: the compiled MLP at P = 512, 8192 rows took
-    12.3 against 50.1 ms in float32 and 12.1 against 23.6 ms in bf16, at 32 rows 0.14 against 0.47 ms (f32),
-    2 threads. A compiled step of few rows (kernels.as_reduction) keeps the dense form as one fused reduction,
-    where the factored one measured no faster. On a CPU without bf16 units the eager bf16 product runs as a
-    float32 one on upcast operands (kernels.bf16_path)."""
+    Eagerly dense on purpose (bf16 layers stay bit-identical to upstream's eager ones). Compiled for CPU, a step of
+    few rows keeps the dense form as one fused reduction; more rows take the Kronecker form H_P = A ⊗ B
+    (walsh_factors) in float32, rounded once: the same function up to the order of the float32 sums, with
+    a·(P/a)·(a + P/a) multiply-adds a row instead of P². On a CPU without bf16 units the eager bf16 product runs as
+    a float32 one on upcast operands (kernels.bf16_path)."""
     P = x.shape[-1]
     rows = x.shape[:-1].numel()
     if as_reduction(rows, x.device):  # a compiled decode step: H read once, fused (H = Hᵀ)
@@ -205,142 +267,6 @@ def walsh_transform(x: Tensor) -> Tensor:
     if upcasts(x.dtype, x.device):
         return (x.float() @ _cached_walsh(P, x.dtype, x.device, upcast=True)).to(x.dtype)
     return x @ _cached_walsh(P, x.dtype, x.device)
-
-
-def probe_pool(cells: Tensor, probes: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
-    """Attention pooling of all cells by p learned probes: (B, T, L+1, D) -> (B, p·D) in `dtype`.
-
-    Scores f32(cells)·f32(probes)ᵀ/√D over the C = T·(L+1) cells (token-major); cells of tokens with keep <= 0
-    score -inf, as upstream's (so an all-pad row gives NaN, like upstream's); softmax, then the weighted sum
-    of the float32 cells."""
-    B, T, L1, D = cells.shape
-    c = cells.reshape(B, T * L1, D).float()  # (B, C, D)
-    kept = keep.repeat_interleave(L1, dim=1) > 0  # (B, C)
-    scores = torch.einsum("bcd,pd->bpc", c, probes.float()) / math.sqrt(D)  # (B, p, C)
-    scores = scores.masked_fill(~kept[:, None, :], float("-inf"))
-    pooled = torch.einsum("bpc,bcd->bpd", scores.softmax(dim=-1), c)  # (B, p, D)
-    return pooled.reshape(B, -1).to(dtype)  # (B, p·D)
-
-
-# A causal prefill's queries run through SDPA in blocks of this many rows, each over the keys up to its last query only
-# (cpu_prefill_blocks): the library's CPU kernel takes all the keys of a short sequence as one block and computes the
-# masked half too. Float32 SDPA, shape (8, 8, 256, 64) with 4 kv heads, one causal prefill chunk at the published size,
-# 2 threads of a 2-core Zen 4 EPYC (medians of 15 in turn): one call 8.97 ms, blocks of 128 rows 9.01, of 64 7.97,
-# of 32 7.32; (2, 8, 1024, 64): 35.7 against 24.1 ms with blocks of 32, 23.4 of 64 (a noisier spell). Inside the
-# batch-32 compiled prefill of 256-token prompts (profiled, medians of 6, one process alternating): SDPA 1029 against
-# 873 ms in float32, 1086 against 838 ms in bf16; whole prefills on this noisy host could not show the ~3 %.
-QUERY_BLOCK = 32
-
-
-def cpu_prefill_blocks(q: Tensor, k: Tensor, causal: bool) -> list[tuple[int, int, int]]:
-    """(first query, end query, end key) of each block of at most QUERY_BLOCK query rows that reads only the keys up
-    to its last query, where that applies (CPU, causal, more rows than one block); else one block over all keys.
-    causal: the mask hides every key after its query, and the T queries are the last T of the S keys."""
-    T, S = q.shape[2], k.shape[2]
-    if not causal or q.device.type != "cpu" or T <= QUERY_BLOCK:
-        return [(0, T, S)]
-    return [(a, min(T, a + QUERY_BLOCK), S - T + min(T, a + QUERY_BLOCK)) for a in range(0, T, QUERY_BLOCK)]
-
-
-def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: bool = True,
-                          causal: bool = False) -> Tensor:
-    """Upstream's attention of q (B, H, T, h) over k, v (B, K, S, h); mask bool (B|1, 1, T, S), True = attend.
-
-    Query head j reads kv head j // (H/K) (consecutive GQA). Masked logits take a large finite negative
-    (never -inf), so a fully masked row is a uniform average, never NaN. float32: one function for upstream's
-    two paths (bit-identical on CPU), through SDPA with an additive finfo.min mask, which equals
-    where(mask, s, min) exactly (|s| is far below min's spacing) and keeps a fully masked row uniform.
-    Other dtypes: each path as upstream computes it (they differ in bf16) -> flash: f32 logits of the dtype's
-    q, k, f32 softmax, probabilities cast to v's dtype, p·v in that dtype; non-flash: q·kᵀ rounded to the
-    dtype, then f32 (the f32 √h promotes), f32 softmax, p·v in float32 (f32 output). Under torch.compile, few
-    queries per row (a decode step, any batch) take the explicit path with multiply-and-sum products (float32
-    too: the same function as SDPA up to the order of the float32 sums), fused with the mask and softmax, which
-    read the K/V cache once in its own dtype instead of upcasting all of it for a library product. Also under
-    torch.compile on a CPU with bf16 units (kernels.bf16_path native) and AMX tiles, bf16 flash attention over many
-    queries (a compiled prefill) runs through SDPA's fused kernel with the bias FLASH_NEG: float32 logits and softmax,
-    bf16 p·v, but the probabilities are rounded to bf16 before their normalisation rather than after (max|Δ|/max|ref|
-    3.7e-3 from eager, ~one bf16 ulp, within the compiled step's bf16 drift); it took 54-78 against 139-144 ms for the
-    batch-32 prefill of 256 tokens. A compiled CPU step over many rows (cpu_attention.applies: at least
-    cpu_attention.MIN_UNITS rows x kv heads, flash) calls the C++ kernel of cpu_attention instead, the same flash
-    arithmetic streaming the cache once per kv head. causal: the mask hides every key after its query and the T queries
-    are the last T of the S keys (a cached prefill); SDPA on CPU then runs in blocks of QUERY_BLOCK queries over the
-    keys up to each block's last (cpu_prefill_blocks), the same function up to the order of the float32 sums (3e-7 of
-    O(1) outputs); a compiled float32 one calls the C++ kernel of cpu_prefill for the same blocks (logits and p·v as
-    register tiles: the batch-32 prefill 4.47 against 4.92 s), and so does a compiled bf16 flash one where the CPU has
-    no bf16 units (its bf16 build: this function's bf16 flash arithmetic, the same roundings; the batch-32 prefill as
-    AVX2 code 4.5 against 6.3 s) or has the AVX512-BF16 dot products without AMX (the same build on those dot products:
-    a layer of a prefill chunk 2.7 against 6.2-6.5 ms for SDPA's fused bf16 blocks, and eager's roundings where SDPA's
-    differ)."""
-    B, H, T, h = q.shape
-    K, S = k.shape[1], k.shape[2]
-    reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
-    if reduce and cpu_attention.applies(q, k, flash):  # many rows: the C++ kernel, the same arithmetic
-        return cpu_attention.attend(q, k, v, mask.expand(B, 1, 1, S).reshape(B, S), FLASH_NEG)  # (B, H, 1, h)
-    low = F32_MIN if q.dtype == torch.float32 else FLASH_NEG  # FLASH_NEG: finite in bf16 (F32_MIN rounds to -inf)
-    if not reduce and cpu_prefill.applies(q, k, causal, flash):  # a compiled prefill: the C++ kernel, the same blocks
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, low)
-        return cpu_prefill.attend(q, k, v, bias, QUERY_BLOCK)
-    # SDPA's bf16 products need bf16 units (kernels.bf16_path)
-    fused_bf16 = q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device)
-    if (q.dtype == torch.float32 or fused_bf16) and not reduce:
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, low)
-        blocks = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :end], v[:, :, :end],
-                                                 attn_mask=bias[:, :, a:b, :end], scale=1 / math.sqrt(h),
-                                                 enable_gqa=H != K)
-                  for a, b, end in cpu_prefill_blocks(q, k, causal)]  # (B, H, b - a, h) each
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
-    G = H // K
-    qg = q.reshape(B, K, G * T, h)  # (B, K, G·T, h): query heads k·G .. k·G + G-1 read kv head k
-    m = mask[:, :, None]  # (B|1, 1, 1, T, S)
-    if flash:
-        s = matmul_nt(qg, k, torch.float32, reduce).view(B, K, G, T, S) * (1 / math.sqrt(h))  # (B, K, G, T, S)
-        p = s.masked_fill(~m, FLASH_NEG).softmax(dim=-1).to(v.dtype).view(B, K, G * T, S)  # (B, K, G·T, S)
-        return matmul_nt(p, v.transpose(-1, -2), v.dtype, reduce).view(B, H, T, h)  # (B, H, T, h) in v's dtype
-    s = matmul_nt(qg, k, q.dtype, reduce).float().view(B, K, G, T, S) / math.sqrt(h)  # (B, K, G, T, S)
-    p = s.masked_fill(~m, F32_MIN).softmax(dim=-1).view(B, K, G * T, S)  # (B, K, G·T, S) float32
-    return matmul_nt(p, v.float().transpose(-1, -2), torch.float32, reduce).view(B, H, T, h)  # (B, H, T, h) f32
-
-
-# ----------------------------------------------------------------------------- attention and MLP
-
-
-class Attention(nn.Module):
-    """`self_attn`: q/k ZCRMSNorm per head, RoPE after the norms, GQA, a sigmoid output gate."""
-
-    def __init__(self, config: TransformerConfig):
-        super().__init__()
-        D, A, h, K = config.d_model, config.attn_dim, config.head_dim, config.num_kv_heads
-        self.num_heads, self.num_kv_heads, self.head_dim, self.flash = config.num_heads, K, h, config.flash
-        self.q_proj = Linear(D, A, bias=False)
-        self.k_proj = Linear(D, K * h, bias=False)
-        self.v_proj = Linear(D, K * h, bias=False)
-        self.q_norm = ZCRMSNorm(h)
-        self.k_norm = ZCRMSNorm(h)
-        self.gate_proj = Linear(D, A, bias=False)
-        self.out_proj = Linear(A, D, bias=False)
-
-    def forward(self, x: Tensor, mask: Tensor, rope: tuple[Tensor, Tensor], quant: bool | Tensor = False,
-                cache: tuple[Tensor, Tensor, int | Tensor] | None = None) -> Tensor:
-        """cache: this layer's (k_buf, v_buf, pos) for cached decoding (write_kv); mask then covers its keys."""
-        B, T, _ = x.shape
-        H, K, h = self.num_heads, self.num_kv_heads, self.head_dim
-        x = aq(x, quant)
-        # the four projections of x: one product of their stacked weights where that pays (kernels.shared_input)
-        q, k, v, gate = shared_input(x, (self.q_proj, self.k_proj, self.v_proj, self.gate_proj))
-        q = q.reshape(B, T, H, h).transpose(1, 2)  # (B, H, T, h)
-        k = k.reshape(B, T, K, h).transpose(1, 2)  # (B, K, T, h)
-        v = v.reshape(B, T, K, h).transpose(1, 2)  # (B, K, T, h)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, *rope).to(q.dtype)  # RoPE in float32 (the f32 tables promote), cast back like upstream
-        k = apply_rope(k, *rope).to(k.dtype)
-        if cache is not None:  # K after k_norm and RoPE, V as projected: what the next steps attend over
-            k, v = write_kv(cache, k, v)  # (B, K, M or pos + T, h)
-        # a cache at an int position: the queries are the last T of the keys, and the decode mask is causal
-        causal = cache is not None and not isinstance(cache[2], Tensor)
-        out = dot_product_attention(q, k, v, mask, self.flash, causal)  # (B, H, T, h)
-        out = out.transpose(1, 2).reshape(B, T, H * h)  # (B, T, A)
-        out = aq(out * sigmoid(gate), quant)  # f32 out (bf16 non-flash) promotes, as upstream
-        return self.out_proj(out.to(self.out_proj.weight.dtype))
 
 
 class HadamardMLP(nn.Module):
@@ -439,14 +365,14 @@ class MHCLayer(nn.Module):
         baked into a compiled region and one serves every layer)."""
         dtype = lanes.dtype
         pre_off, post_off = lane_offsets(self.layer, lanes.shape[2], lanes.device) if offsets is None else offsets
-        # x̂ φ for the three φ, x̂ = flatten_lanes(lanes) (B, T, n·D) float32
+        # x̂ φ for the three φ, x̂ = flat_lanes(lanes) (B, T, n·D) float32
         r_pre, r_post, r_res = route(lanes, (self.phi_pre.weight, self.phi_post.weight, self.phi_res.weight))
         hpre = self.tap_hpre(pre_weights(r_pre, self.a_pre, self.b_pre, pre_off))
         hpost = self.tap_hpost(post_weights(r_post, self.a_post, self.b_post, post_off))
         hres = self.tap_hres(res_weights(r_res, self.a_res, self.b_res))
-        u = self.tap_u(mix_in(hpre, lanes, dtype))  # (B, T, D)
+        u = self.tap_u(read_lanes(hpre, lanes, dtype))  # (B, T, D)
         y = self.tap_y(self.block(u, mask, rope, quant, engram, cache) - u)  # block's own residuals, then - u (§10.6)
-        return self.tap_state(mix_out(hres, hpost, lanes, y, dtype))  # (B, T, n, D)
+        return self.tap_state(write_lanes(hres, lanes, hpost, y, dtype))  # (B, T, n, D)
 
 
 @repeated_region
@@ -496,6 +422,21 @@ class Stack(nn.Module):
 # ----------------------------------------------------------------------------- heads
 
 
+def probe_pool(cells: Tensor, probes: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
+    """Attention pooling of all cells by p learned probes: (B, T, L+1, D) -> (B, p·D) in `dtype`.
+
+    Scores f32(cells)·f32(probes)ᵀ/√D over the C = T·(L+1) cells (token-major); cells of tokens with keep <= 0
+    score -inf, as upstream's (so an all-pad row gives NaN, like upstream's); softmax, then the weighted sum
+    of the float32 cells."""
+    B, T, L1, D = cells.shape
+    c = cells.reshape(B, T * L1, D).float()  # (B, C, D)
+    kept = keep.repeat_interleave(L1, dim=1) > 0  # (B, C)
+    scores = torch.einsum("bcd,pd->bpc", c, probes.float()) / math.sqrt(D)  # (B, p, C)
+    scores = scores.masked_fill(~kept[:, None, :], float("-inf"))
+    pooled = torch.einsum("bpc,bcd->bpd", scores.softmax(dim=-1), c)  # (B, p, D)
+    return pooled.reshape(B, -1).to(dtype)  # (B, p·D)
+
+
 class ContrastiveHead(nn.Module):
     """4 probes pool every cell; a bias-free projection, L2-normalised; returns (p, log_temp) with log_temp raw."""
 
@@ -523,44 +464,6 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, cells: Tensor, keep: Tensor) -> Tensor:
         return self.proj(probe_pool(cells, self.probes, keep, self.proj.weight.dtype))[:, 0].float()  # (B,)
-
-
-# ----------------------------------------------------------------------------- cached decoding state
-
-
-@dataclass
-class DecodeCache:
-    """One cached-decoding request's state (upstream's decode.py, §6), preallocated for M buffer positions.
-
-    k, v: one (B, K, M, h) buffer per layer, in the compute dtype: K after k_norm and RoPE, V as projected. Separate
-    tensors, not views of one: a compiled region writes into its inputs correctly only then (torch 2.13). The
-    forward rounds both to the compute dtype before attending, so this holds exactly what it would attend over
-    (upstream's decode keeps float32 caches because it runs everything in float32; so does a float32 model here).
-    hist (B, W + M) int64 and valid (B, W + M) bool: the token at every buffer position and upstream's `valid`
-    (key_valid and hist_valid), behind W = 4·max(O) leading zeros / False, so the engram's history window
-    [pos - W, pos + S) is one slice at every position. sink (B, M) bool or None and window (kv_window, 0 = off)
-    shape the attention mask only. rope: cos, sin (M, h/2), and offsets: every layer's lane_offsets, computed
-    once. logits_weight: the tied embedding upcast to float32 once per request (None: read in place, under
-    compile or for a float32 model). fused: the C++ decode-layer kernel's state (cpu_decode.fuse) when single
-    steps run through it (None: they do not)."""
-
-    k: list[Tensor]
-    v: list[Tensor]
-    hist: Tensor
-    valid: Tensor
-    sink: Tensor | None
-    window: int
-    rope: tuple[Tensor, Tensor]
-    offsets: list[tuple[Tensor, Tensor]]
-    logits_weight: Tensor | None = None
-    fused: cpu_decode.Fused | None = None
-
-    def rows(self, start: int, stop: int) -> DecodeCache:
-        """The same state for batch rows start..stop-1: views, so writing through it fills this cache (without the
-        kernel state, whose tables point at the whole batch's buffers; only prefills take rows)."""
-        return replace(self, k=[t[start:stop] for t in self.k], v=[t[start:stop] for t in self.v],
-                       hist=self.hist[start:stop], valid=self.valid[start:stop],
-                       sink=None if self.sink is None else self.sink[start:stop], fused=None)
 
 
 # ----------------------------------------------------------------------------- model
@@ -776,13 +679,13 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
     def generate(self, tokens: Tensor, max_new_tokens: int = 64, *, kv_window: int = 0, temperature: float = 0.0,
                  seed: int | None = None, sink: Tensor | None = None, eos_token_id: int | None = 1,
                  pad_token_id: int = 0, return_logits: bool = False, return_logprobs: bool = False,
-                 streamer=None, compile: bool | str = False):
+                 streamer=None, compile: bool | str = False, fast: bool = True):
         """Cached generation from left-padded prompts (B, P): the new tokens (B, max_new_tokens), plus the step
         logits and log-probabilities on request; see needle_torch.v2.generate.generate."""
         return generate_cached(self, tokens, max_new_tokens, kv_window=kv_window, temperature=temperature, seed=seed,
                                sink=sink, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                return_logits=return_logits, return_logprobs=return_logprobs, streamer=streamer,
-                               compile=compile)
+                               compile=compile, fast=fast)
 
     # ------------------------------------------------------------------ hidden states and heads
 
@@ -830,7 +733,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
 
 
 __all__ = [
-    "Attention", "Block", "ConfidenceHead", "ContrastiveHead", "DecodeCache", "HadamardMLP", "MHCLayer",
-    "SimpleAttentionNetwork", "Stack", "TransformerConfig", "dot_product_attention", "make_decode_mask",
-    "make_window_mask", "probe_pool", "walsh_matrix", "walsh_transform", "write_kv",
+    "Attention", "Block", "ConfidenceHead", "ContrastiveHead", "HadamardMLP", "MHCLayer", "SimpleAttentionNetwork",
+    "Stack", "TransformerConfig", "dot_product_attention", "make_window_mask", "probe_pool", "walsh_matrix",
+    "walsh_transform", "write_kv",
 ]

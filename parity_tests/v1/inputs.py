@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.tokenizer import build_encoder_input, load_tokenizer
 from convert.v1.config import EOS_ID, FIRST_PLAIN_ID, TransformerConfig
+from convert.v1.tokenizer import build_encoder_input, load_tokenizer
 from parity_tests.inputs import (
     Batch,
     InputError,
@@ -24,8 +24,6 @@ from parity_tests.inputs import (
     read_token_file,
     varied_lengths,
 )
-
-LENGTHS = {"src_len": 64, "tgt_len": 32}  # the random batch's default lengths
 
 
 def _ids(rng: np.random.Generator, shape: tuple[int, ...], config: TransformerConfig) -> np.ndarray:

@@ -24,8 +24,6 @@ from parity_tests.inputs import (
     varied_lengths,
 )
 
-LENGTHS = {"seq_len": 64}  # the random batch's default length
-
 
 def random_batch(config: TransformerConfig, batch: int = 4, seq_len: int = 64, seed: int = 0,
                  empty_rows: int = 0) -> Batch:

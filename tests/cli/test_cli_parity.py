@@ -223,7 +223,7 @@ def test_tokenizer_text_inputs(tmp_path):
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     assert report["inputs"]["batch"] == 2 and report["inputs"]["source"].startswith("text via")
-    from convert.tokenizer import build_encoder_input, load_tokenizer
+    from convert.v1.tokenizer import build_encoder_input, load_tokenizer
 
     tok = load_tokenizer(f"{prefix}.model")
     want = build_encoder_input(tok, "weather in city 3", '[{"name": "weather"}]')
@@ -237,7 +237,7 @@ def test_embedded_default_runs_as_the_readme_says(tmp_path):
     r = run_cli("parity", "--json", out, "--no-grads", "--generate", "2", timeout=PROCESS_TIMEOUT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["num_params"] == 45_211_383 and report["passed"] is True  # issue 11's count with both heads
+    assert report["num_params"] == 45_211_383 and report["passed"] is True  # the published count with both heads
     assert report["model"]["family"] == "v2"
     assert report["model"]["seed"] == 0 and report["environment"]["seeds"] == {"inputs": 0, "model": 0}
     assert report["generation"]["steps_compared"] == 2

@@ -1,4 +1,4 @@
-"""`needle-twin quant` and re-scoring its report: exit codes, files, errors (figures: parity_tests/test_quant.py)."""
+"""`needle-twin quant` and re-scoring its report: exit codes, files, errors (figures: parity_tests/v2/test_quant.py)."""
 
 from __future__ import annotations
 

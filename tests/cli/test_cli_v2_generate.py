@@ -17,7 +17,7 @@ FIXTURE = np.load(V2_NPZ)
 PROMPT = " ".join(map(str, FIXTURE["dec_prompt"][0].tolist()))  # BOS included
 G = FIXTURE["f32/dec_tokens"].shape[1]
 
-pytestmark = pytest.mark.filterwarnings("error::needle_torch.kernels.CompileFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::needle_torch.fast.kernels.CompileFallbackWarning")
 
 
 def _generate(*args: str):

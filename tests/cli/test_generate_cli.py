@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from convert.errors import TokenizerError
-from convert.tokenizer import build_encoder_input, decode_tokens, load_tokenizer
+from convert.v1.tokenizer import build_encoder_input, decode_tokens, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 CKPT = REPO / "tests" / "data" / "needle-v1-tiny.pkl"
@@ -21,7 +21,7 @@ FIXTURE = np.load(REPO / "tests" / "data" / "needle-v1-tiny.npz")
 SPECIAL = "0 1 2 3 4 5"  # what the fixture's greedy loop never chose
 
 # `--compile` runs must test compiled code: a fallback to eager past dynamo's recompile limit fails them.
-pytestmark = pytest.mark.filterwarnings("error::needle_torch.kernels.CompileFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::needle_torch.fast.kernels.CompileFallbackWarning")
 
 
 def _row(r: int) -> tuple[str, list[int]]:

@@ -11,8 +11,8 @@ import torch
 import needle_flax as nf
 import needle_torch as nt
 from convert.v1.config import TransformerConfig
-from needle_torch import kernels
-from needle_torch.kernels import REDUCE_MAX_ROWS, as_reduction
+from needle_torch.fast import kernels
+from needle_torch.fast.kernels import REDUCE_MAX_ROWS, as_reduction
 
 F32 = dict(rtol=1e-6, atol=1e-6)  # single float32 ops: a few ulps of roundoff
 

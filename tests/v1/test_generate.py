@@ -19,7 +19,7 @@ from needle_flax.v1.model import make_padding_mask as flax_padding_mask
 from needle_flax.v1.model import precompute_rope_freqs as nf_precompute_rope_freqs
 from needle_torch import generate as torch_generate
 from needle_torch import generate_recompute as torch_recompute
-from needle_torch.kernels import CompileFallbackWarning
+from needle_torch.fast.kernels import CompileFallbackWarning
 from needle_torch.v1.generate import pick
 from needle_torch.v1.model import make_padding_mask as torch_padding_mask
 from parity_tests.metrics import max_rel
@@ -37,7 +37,7 @@ BF16_REL = 3e-2
 BF16_DECISIVE_GAP = 2 * 0.025
 
 # A compiled run that fell back to eager past dynamo's recompile limit would test eager code: make it fail.
-pytestmark = pytest.mark.filterwarnings("error::needle_torch.kernels.CompileFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::needle_torch.fast.kernels.CompileFallbackWarning")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -554,16 +554,3 @@ def test_compiled_generation_past_the_recompile_limit_runs_eagerly_and_warns(f32
     (message,) = messages
     assert "recompile limit" in message and "torch._dynamo.config.recompile_limit" in message
     assert "fewer distinct" in message and "\n" not in message
-
-
-def test_cpu_generation_keeps_the_heap(f32, fixture, monkeypatch):
-    """Both torch loops call kernels.keep_heap on CPU (requests reuse freed memory), before the encoder runs."""
-    import importlib
-
-    gen = importlib.import_module("needle_torch.v1.generate")
-    calls: list[str] = []
-    monkeypatch.setattr(gen, "keep_heap_for", lambda device: calls.append(device.type))
-    src = torch.from_numpy(fixture["src"]).long()
-    torch_generate(f32.torch_model, src, max_new_tokens=1)
-    torch_recompute(f32.torch_model, src, max_new_tokens=1)
-    assert calls == ["cpu", "cpu"]

@@ -1,4 +1,4 @@
-"""The C++ decode attention (needle_torch/cpu_attention.py) against the twin's own attention, which the Needle 2
+"""The C++ decode attention (needle_torch/fast/cpu_attention.py) against the twin's own attention, which the Needle 2
 goldens pin to upstream's (tests/v2/test_torch_model.py): one query per row over a K/V cache, flash arithmetic."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from needle_torch import cpu_attention
+from needle_torch.fast import cpu_attention
 from needle_torch.v2.model import FLASH_NEG, dot_product_attention
 from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 

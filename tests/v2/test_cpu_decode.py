@@ -1,4 +1,4 @@
-"""The C++ decoding step (needle_torch.cpu_decode): each kernel against the eager twin's piece, generation through
+"""The C++ decoding step (needle_torch.fast.cpu_decode): each kernel against the eager twin's piece, generation through
 the kernels against upstream's goldens, and the rule for when a step takes them.
 
 The kernels keep the eager twin's order of operations and its roundings to the compute dtype; only the order of
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -21,11 +22,10 @@ from convert.io import read_checkpoint
 from convert.mapping import random_flax_params
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import BOS_ID, FIRST_PLAIN_ID, NEEDLE_V2_PUBLISHED
-from needle_torch import cpu_decode, kernels
+from needle_torch.fast import cpu_decode, kernels
 from needle_torch.v2 import SimpleAttentionNetwork
-from needle_torch.v2.generate import generate
+from needle_torch.v2.generate import generate, make_decode_mask
 from needle_torch.v2.lanes import rms_unit
-from needle_torch.v2.model import make_decode_mask
 from tests.kernel_builds import without_compiler
 from tests.torch_threads import torch_threads
 from tests.v2.goldens import G, assert_generated, chosen_from
@@ -281,3 +281,19 @@ def test_kernels_that_do_not_build_warn_once_and_keep_the_torch_step(monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not cpu_decode.applies(m, 1)  # tried once a process
+
+
+@pytest.mark.parametrize("header, sources", [
+    ("bf16_dots.h", ("decode_step.cpp",)),
+    ("bf16_lanes.h", ("decode_step.cpp", "decode_attention.cpp", "hadamard_mlp.cpp", "prefill_attention.cpp")),
+    ("walsh.h", ("decode_step.cpp", "hadamard_mlp.cpp")),
+])
+def test_the_kernels_sources_inline_their_shared_headers(header, sources):
+    """The build compiles a string: kernels.cpp_source puts each shared header's text where a kernel's source includes
+    it, once each, and leaves no local include behind (the toolchain would not find the file)."""
+    csrc = Path(cpu_decode.__file__).with_name("csrc")
+    text_of_header = (csrc / header).read_text()
+    for name in sources:
+        text = kernels.cpp_source(csrc / name)
+        assert text.count(text_of_header) == 1, name
+        assert not any(line.startswith('#include "') for line in text.splitlines()), name

@@ -1,4 +1,4 @@
-"""The C++ Hadamard MLP (needle_torch/cpu_hadamard.py) against the twin's own HadamardMLP, which the Needle 2 goldens
+"""The C++ Hadamard MLP (needle_torch.fast.cpu_hadamard) against the twin's own HadamardMLP, which the Needle 2 goldens
 pin to upstream's (tests/v2/test_torch_model.py): float32 and bf16 rows, the Walsh products as butterflies."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from convert.v2.config import NEEDLE_V2_PUBLISHED
-from needle_torch import cpu_hadamard, kernels
+from needle_torch.fast import cpu_hadamard, kernels
 from needle_torch.v2.model import HadamardMLP
 from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 

@@ -1,4 +1,4 @@
-"""The C++ prefill attention (needle_torch/cpu_prefill.py) against the twin's own attention
+"""The C++ prefill attention (needle_torch/fast/cpu_prefill.py) against the twin's own attention
 (model.dot_product_attention: SDPA's query blocks in float32, the explicit bf16 flash attention on the upcast path),
 against a float64 numpy attention, and inside compiled prefills against upstream's goldens: float32 and bf16, causal,
 left pads, windows with sinks."""
@@ -15,9 +15,10 @@ import torch
 
 from convert.io import read_checkpoint
 from convert.trees import flatten_tree, unflatten_tree
-from needle_torch import cpu_prefill, kernels
+from needle_torch.fast import cpu_prefill, kernels
 from needle_torch.v2 import model as v2_model
-from needle_torch.v2.model import SimpleAttentionNetwork, dot_product_attention, make_decode_mask
+from needle_torch.v2.generate import make_decode_mask
+from needle_torch.v2.model import SimpleAttentionNetwork, dot_product_attention
 from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 from tests.v2.goldens import F32_REL
 

@@ -1,4 +1,4 @@
-"""The C++ Sinkhorn (needle_torch/cpu_sinkhorn.py) against the twin's own lanes.sinkhorn, which the Needle 2 goldens
+"""The C++ Sinkhorn (needle_torch.fast.cpu_sinkhorn) against the twin's own lanes.sinkhorn, which the Needle 2 goldens
 pin to upstream's (tests/v2/test_torch_model.py): float32 (n, n) routing logits, 20 steps, then exp."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from needle_torch import cpu_sinkhorn, kernels
+from needle_torch.fast import cpu_sinkhorn, kernels
 from needle_torch.v2.lanes import SINKHORN_ITERS, sinkhorn
 from tests.kernel_builds import assert_warns_once, without_compiler
 

@@ -35,8 +35,8 @@ from needle_flax.v2 import (
     new_cache,
     sinkhorn,
 )
-from needle_flax.v2 import decode as D
 from needle_flax.v2.generate import pick
+from tests.v2 import upstream_decode as D
 from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, left_padded, rel, run_loop_reference
 
 jax.config.update("jax_default_matmul_precision", "highest")  # float32 parity: no reduced-precision passes

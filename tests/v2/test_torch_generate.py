@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import ml_dtypes
@@ -27,13 +28,11 @@ from convert.mapping import random_flax_params
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import FIRST_PLAIN_ID, TransformerConfig
 from convert.v2.generation import prompt_validity
-from needle_torch import cpu_attention, cpu_decode, kernels
+from needle_torch.fast import cpu_attention, cpu_decode, cpu_sinkhorn, kernels
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2 import SimpleAttentionNetwork, engram_masks
 from needle_torch.v2 import model as v2_model
-from needle_torch.v2.engram import engram_history_masks
-from needle_torch.v2.generate import generate, generate_recompute, pick
-from needle_torch.v2.model import make_decode_mask
+from needle_torch.v2.generate import engram_history_masks, generate, generate_recompute, make_decode_mask, pick
 from tests.torch_threads import torch_threads
 from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, left_padded, run_loop_reference
 
@@ -53,7 +52,7 @@ BF16_ULP_REL = 2.0 ** -8  # one bf16 ulp relative to the largest logit
 # v1 bf16 golden budget.
 BF16_EMULATED_REL = 3e-2
 
-pytestmark = pytest.mark.filterwarnings("error::needle_torch.kernels.CompileFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::needle_torch.fast.kernels.CompileFallbackWarning")
 
 # A compiled graph of the tiny fixture model takes ~80-180 s to build cold on a 2-core AVX2 VM (Python tracing and
 # lowering, then g++), ~20-30 s from inductor's on-disk cache, nothing within a process that compiled it. So the
@@ -259,9 +258,8 @@ def test_cached_equals_recompute_at_every_step_on_random_models(name):
 
 
 def test_prompts_longer_than_a_query_block_decode_as_the_recompute_loop():
-    """Prompts of more than model.QUERY_BLOCK tokens: the cached prefill's attention runs in query blocks over
-    the earlier keys only (cpu_prefill_blocks); its logits at every step stay within the float32 budget of the
-    recompute loop's, left-padded rows included."""
+    """Prompts of more than model.QUERY_BLOCK tokens (the C++ prefill attention's block): the cached prefill's logits
+    at every step stay within the float32 budget of the recompute loop's, left-padded rows included."""
     config = TransformerConfig(max_seq_len=96, dtype="float32", **RANDOM_CONFIGS["gqa-3lanes-1site-orders234"])
     model = SimpleAttentionNetwork.from_flax(random_flax_params(config, seed=7, std=0.2, groups=()), config)
     prompts = left_padded(config.vocab_size, [80, 47], seed=5)
@@ -610,7 +608,7 @@ FRESH_PROCESS_ALL = """
 import numpy as np, torch
 from convert.io import read_checkpoint
 from convert.trees import flatten_tree, unflatten_tree
-from needle_torch import kernels
+from needle_torch.fast import kernels
 from needle_torch.v2 import SimpleAttentionNetwork
 torch.set_num_threads(1)
 ckpt = read_checkpoint("tests/data/needle-v2-tiny.pkl")
@@ -618,7 +616,7 @@ params = unflatten_tree({k: np.asarray(v, np.float32) for k, v in flatten_tree(c
 model = SimpleAttentionNetwork.from_flax(params, ckpt.config)  # float32, as the f32 fixture above
 prompts = np.load("tests/data/needle-v2-tiny.npz")["batch_prompts"]
 kernels.PREFILL_TOKENS = prompts.shape[1]  # one-row chunks: the chunked test's graph
-from needle_torch import cpu_decode
+from needle_torch.fast import cpu_decode
 cpu_decode.max_rows = lambda dtype: 0  # the chunked test's torch.compile step (its `traced` fixture)
 from parity_tests.devices import pinned_precision  # the test session's settings: part of inductor's cache key
 with pinned_precision():
@@ -842,53 +840,9 @@ def test_a_stack_of_weights_is_packed_once_and_renewed_when_any_of_them_changes(
         assert kernels._PACKED[ws[0]][1][0]() is alias
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
-@pytest.mark.parametrize("case", ["stacked", "eager", "few rows", "many rows", "hooked", "biased", "not ours"])
-def test_projections_of_one_input_share_one_product_only_where_it_applies(monkeypatch, case):
-    """kernels.shared_input: in a compiled CPU graph whose float32 products take oneDNN (forced), 5-64 rows and bare
-    Linear layers, one onednn_linear over the stacked weights; eagerly, at <= REDUCE_MAX_ROWS rows (reductions),
-    above PACK_MAX_ROWS, with a forward hook on a layer (called, as a parity probe needs), a bias, or a layer that is
-    not this package's Linear (as a LoRA wrapper), each layer's own call. Every output is its layer's product,
-    within the float32 worst-case bound of float64."""
-    monkeypatch.setattr(kernels, "_onednn_f32", lambda: True)
-    torch.manual_seed(2)
-    layers = [kernels.Linear(96, o, bias=False) for o in (64, 32, 32, 64)]
-    rows = {"few rows": kernels.REDUCE_MAX_ROWS, "many rows": kernels.PACK_MAX_ROWS + 1}.get(case, 32)
-    hooked: list[int] = []
-    if case == "hooked":
-        layers[2].register_forward_hook(lambda module, args, out: hooked.append(out.shape[-1]))
-    if case == "biased":
-        layers[1] = kernels.Linear(96, 32)
-    if case == "not ours":
-        layers[3] = torch.nn.Linear(96, 64, bias=False)
-    x = torch.randn(2, rows // 2, 96) if rows % 2 == 0 else torch.randn(1, rows, 96)  # (B, T, I): B·T rows
-    seen: list[str] = []
-
-    def backend(gm, inputs):
-        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return torch._inductor.compile(gm, inputs)
-
-    def run(x):
-        return kernels.shared_input(x, layers)
-
-    with torch.no_grad():
-        got = run(x) if case == "eager" else torch.compile(run, backend=backend, fullgraph=True)(x)
-    calls = sum("needle_twin.onednn_linear" in t for t in seen)
-    expected = {"stacked": 1, "eager": 0, "few rows": 0, "many rows": 4, "hooked": 4, "biased": 4,
-                "not ours": 3}[case]
-    assert calls == expected, (case, seen)
-    if case == "hooked":
-        assert hooked == [32]
-    for y, layer in zip(got, layers, strict=True):
-        want = x.double() @ layer.weight.double().T + (0 if layer.bias is None else layer.bias.double())
-        bound = f32_sum_bound(x.reshape(-1, 96), layer.weight, layer.bias).view(want.shape)
-        assert y.dtype == torch.float32 and ((y.double() - want).abs() <= bound).all()
-
-
-
 def compiled_bf16_products(x: torch.Tensor, layers: list) -> tuple[list[torch.Tensor], int]:
-    """layers[0](x) alone and kernels.shared_input(x, layers[1:]) in one compiled CPU graph: (the outputs, the number
-    of onednn_linear calls in the traced graph)."""
+    """Every layer's product of x in one compiled CPU graph: (the outputs, the number of onednn_linear calls in the
+    traced graph)."""
     seen: list[str] = []
 
     def backend(gm, inputs):
@@ -896,7 +850,7 @@ def compiled_bf16_products(x: torch.Tensor, layers: list) -> tuple[list[torch.Te
         return torch._inductor.compile(gm, inputs)
 
     def step(x):
-        return [layers[0](x), *kernels.shared_input(x, layers[1:])]
+        return [layer(x) for layer in layers]
 
     with torch.no_grad():
         got = torch.compile(step, backend=backend, fullgraph=True)(x)
@@ -917,18 +871,18 @@ def assert_bf16_products(got: list[torch.Tensor], layers: list, x: torch.Tensor)
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_upcast_bf16_products_of_a_compiled_step_keep_float32_packed_weights(monkeypatch, upcast):
     """On the upcast path (no bf16 units), a compiled CPU step's bf16 weight products (a Linear alone, and the
-    stacked products of shared_input) call onednn_linear with the bf16 parameters themselves, which keeps float32
-    packed copies of them (kernels._PACKED, under each product's first parameter) rather than the graph upcasting
+    others) call onednn_linear with the bf16 parameters themselves, which keeps float32
+    packed copies of them (kernels._PACKED, one per parameter) rather than the graph upcasting
     every weight again each call. Each output is the float32 product of the exactly upcast operands rounded once to
     bf16 (assert_bf16_products)."""
     monkeypatch.setattr(kernels, "_onednn_f32", lambda: True)
     monkeypatch.setattr(kernels, "_PACKED", WeakIdKeyDictionary())
     torch.manual_seed(3)
-    layers = [kernels.Linear(96, o, bias=False).bfloat16() for o in (40, 64, 32, 32)]  # one alone, three shared
+    layers = [kernels.Linear(96, o, bias=False).bfloat16() for o in (40, 64, 32, 32)]
     x = torch.randn(2, 16, 96).bfloat16()  # 32 rows: a batch-32 step
     got, calls = compiled_bf16_products(x, layers)
-    assert calls == 2
-    for first in (layers[0].weight, layers[1].weight):
+    assert calls == 4
+    for first in (layer.weight for layer in layers):
         assert kernels._PACKED[first][2] == 32 and kernels._PACKED[first][3].dtype == torch.float32
     assert_bf16_products(got, layers, x)
 
@@ -938,8 +892,8 @@ def test_upcast_bf16_products_of_a_compiled_step_keep_float32_packed_weights(mon
 @pytest.mark.parametrize("rows", [kernels.REDUCE_MAX_ROWS, 32, kernels.PACK_MAX_ROWS, kernels.PACK_MAX_ROWS + 1])
 def test_native_bf16_products_of_a_compiled_step_keep_bf16_packed_weights(monkeypatch, rows):
     """On the native bf16 path, a compiled CPU step's bf16 weight products of REDUCE_MAX_ROWS < rows <=
-    PACK_MAX_ROWS (a Linear alone with its bias, and the stacked products of shared_input) call onednn_linear,
-    which keeps bf16 packed copies of the parameters (kernels._PACKED, under each product's first parameter); at
+    PACK_MAX_ROWS (with a bias and without) call onednn_linear,
+    which keeps bf16 packed copies of the parameters (kernels._PACKED, one per parameter); at
     other row counts (reductions; the library's product) it is not called and nothing is kept. Each output is the
     float32 product of the bf16 operands rounded once to bf16 (assert_bf16_products)."""
     monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
@@ -949,9 +903,9 @@ def test_native_bf16_products_of_a_compiled_step_keep_bf16_packed_weights(monkey
     x = torch.randn(1, rows, 96).bfloat16()
     got, calls = compiled_bf16_products(x, layers)
     packs = kernels.REDUCE_MAX_ROWS < rows <= kernels.PACK_MAX_ROWS
-    assert calls == (2 if packs else 0)
-    assert len(kernels._PACKED) == (2 if packs else 0)
-    for first in (layers[0].weight, layers[1].weight) if packs else ():
+    assert calls == (4 if packs else 0)
+    assert len(kernels._PACKED) == (4 if packs else 0)
+    for first in (layer.weight for layer in layers) if packs else ():
         assert kernels._PACKED[first][2] == rows and kernels._PACKED[first][3].dtype == torch.bfloat16
     assert_bf16_products(got, layers, x)
 
@@ -983,80 +937,87 @@ def test_a_compiled_prefill_through_onednn_reproduces_upstreams_prefill(f32, fx,
         assert rel(logits[:, p], g["f32/dec_prefill_logits"][:, p]) <= F32_REL, f"prefill position {p}"
 
 
-# ----------------------------------------------------------------------------- glibc's heap kept for reuse
+# ----------------------------------------------------------------------------- the fast switch
 
 
-@pytest.mark.parametrize("environ, answer, kept, calls, why", [
-    ({}, 1, True, 2, "mmap threshold 32 MiB, trim threshold 2 GiB"),
-    ({kernels.HEAP_ENV: "System"}, 1, False, 0, "NEEDLE_TWIN_HEAP=system"),
-    ({}, None, False, 0, "not glibc"),
-    ({}, 0, False, 1, "refused"),
-    ({kernels.HEAP_ENV: "kept"}, 1, True, 2, "trim threshold"),  # any other value leaves the default
-])
-def test_the_heap_policy_follows_the_env_and_the_c_library(environ, answer, kept, calls, why):
-    """keep_heap's rule: fix glibc's mmap threshold, then its trim threshold (stopping at a refusal), unless
-    NEEDLE_TWIN_HEAP=system or the C library has no glibc mallopt; the reason says which."""
-    seen: list[tuple[int, int]] = []
-
-    def mallopt(param: int, value: int) -> int:
-        seen.append((param, value))
-        return answer
-
-    policy = kernels.decide_heap(environ, None if answer is None else mallopt)
-    assert policy.kept is kept and why in policy.reason
-    assert seen == [(kernels.M_MMAP_THRESHOLD, 32 << 20), (kernels.M_TRIM_THRESHOLD, 2**31 - 1)][:calls]
+def test_fast_false_runs_the_plain_forms_for_one_request_and_gives_the_same_tokens(f32, fx, monkeypatch):
+    """generate(..., fast=False): inside the request every fast form is off (kernels.enabled), after it they are on
+    again, and the eager tokens are the default's (the same function)."""
+    seen: list[bool] = []
+    rows = generate_module.prefill_rows
+    monkeypatch.setattr(generate_module, "prefill_rows", lambda *a: seen.append(kernels.enabled()) or rows(*a))
+    g = fx["g"]
+    plain, plain_logits = generate(f32, g["batch_prompts"], G, return_logits=True, fast=False)
+    default, logits = generate(f32, g["batch_prompts"], G, return_logits=True)
+    assert seen == [False, True] and kernels.enabled()
+    assert torch.equal(plain, default) and rel(plain_logits, logits) <= F32_REL
+    with pytest.raises(ValueError), kernels.fast_paths(False):
+        raise ValueError("an error inside the block")
+    assert kernels.enabled()
 
 
-HEAP_PROCESS = """
-import os, sys, torch
-from needle_torch import kernels
-policy = kernels.keep_heap()
-page = os.sysconf("SC_PAGE_SIZE")
-def resident():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * page
-before = resident()
-blocks = [torch.ones(10 << 18) for _ in range(40)]  # 40 blocks of 10 MiB, every page touched (a K/V cache's)
-held = resident() - before
-del blocks
-print(policy.kept, held, resident() - before)
-"""
+@pytest.mark.slow
+@STEP_GRAPHS
+def test_plain_compiled_steps_give_the_eager_tokens(f32, fx):
+    """compile=True with fast=False: a plain torch.compile of the plain modules (no kernels, no reductions, no
+    inductor options), its own graph, the tokens and logits of eager (float32, within COMPILED_REL)."""
+    g = fx["g"]
+    tokens, logits = generate(f32, g["batch_prompts"], 10, return_logits=True, compile=True, fast=False)
+    eager_tokens, eager_logits = generate(f32, g["batch_prompts"], 10, return_logits=True)
+    np.testing.assert_array_equal(tokens.numpy(), g["f32/batch_tokens"])
+    assert torch.equal(tokens, eager_tokens) and rel(logits, eager_logits) <= COMPILED_REL
 
 
-@pytest.mark.skipif(kernels._glibc_mallopt() is None, reason="glibc only: elsewhere keep_heap is a no-op")
-@pytest.mark.parametrize("setting", ["kept", "system"])
-def test_freed_blocks_stay_in_the_process_exactly_when_the_heap_is_kept(setting):
-    """The thresholds take effect in glibc: in a fresh process that frees 400 MiB of 10 MiB blocks, the memory stays
-    resident (for the next request) with keep_heap's thresholds, and goes back to the system with glibc's own
-    (NEEDLE_TWIN_HEAP=system), whose first threshold mmaps such blocks and unmaps them when freed. Bounds: 90 % and
-    10 % of what the blocks held (the interpreter's own allocations meanwhile are a few pages)."""
-    env = {**os.environ, kernels.HEAP_ENV: setting}
-    done = subprocess.run([sys.executable, "-c", HEAP_PROCESS], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    kept, held, after = done.stdout.split()
-    assert kept == str(setting == "kept") and int(held) >= 400 << 20
-    if setting == "kept":
-        assert int(after) >= 0.9 * int(held)
-    else:
-        assert int(after) <= 0.1 * int(held)
+# ----------------------------------------------------------------------------- private torch APIs made unavailable
 
 
-def test_cpu_generation_keeps_the_heap(f32, fx, monkeypatch):
-    """Both generation loops call keep_heap on CPU, before the request allocates its cache."""
-    calls: list[str] = []
-    monkeypatch.setattr(generate_module, "keep_heap_for", lambda device: calls.append(device.type))
-    prompts = fx["g"]["batch_prompts"]
-    generate(f32, prompts, 1)
-    generate_recompute(f32, prompts, 1)
-    assert calls == ["cpu", "cpu"]
+def test_without_the_private_onednn_ops_products_take_the_library(monkeypatch):
+    """A torch without torch.ops.mkldnn's private ops (kernels.ONEDNN_OPS): no float32 product takes oneDNN, no bf16
+    product packs, and a compiled product of a Linear is the library's (no onednn_linear in its graph)."""
+    with monkeypatch.context() as m:  # only around the checks: inductor itself calls torch.ops.mkldnn
+        m.setattr(torch.ops, "mkldnn", types.SimpleNamespace())
+        assert not kernels.onednn_ops()
+        assert not kernels.decide_f32_path({}, "AuthenticAMD", kernels.onednn_ops()).onednn
+        assert not kernels._onednn_bf16()
+    # what such a process decides, on the native bf16 path where the ops would pack bf16 weights
+    monkeypatch.setattr(kernels, "_onednn_f32", lambda: False)
+    monkeypatch.setattr(kernels, "_onednn_bf16", lambda: False)
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
+    layer = kernels.Linear(96, 40, bias=False).bfloat16()
+    x = torch.randn(1, 32, 96).bfloat16()
+    seen: list[str] = []
+
+    def backend(gm, inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._inductor.compile(gm, inputs)
+
+    with torch.no_grad():
+        y = torch.compile(layer, backend=backend, fullgraph=True)(x)
+    assert seen and not any("onednn_linear" in target for target in seen)
+    torch.testing.assert_close(y.float(), x.float() @ layer.weight.float().T, rtol=2**-7, atol=1e-3)
 
 
-def test_keep_heap_for_acts_on_the_cpu_only(monkeypatch):
-    """The device check both families' loops share: keep_heap for the CPU, nothing for another device."""
-    calls: list[str] = []
-    monkeypatch.setattr(kernels, "keep_heap", lambda: calls.append("kept"))
-    kernels.keep_heap_for(torch.device("meta"))
-    assert calls == []
-    kernels.keep_heap_for(torch.device("cpu"))
-    assert calls == ["kept"]
+def test_without_inductors_cpp_cache_a_kernel_falls_back_with_one_warning(monkeypatch):
+    """A torch whose torch._inductor.codecache lacks CppPythonBindingsCodeCache: a kernel module's build warns once
+    (KernelBuildWarning) and compiled graphs keep the torch form (applies is False)."""
+    monkeypatch.setitem(sys.modules, "torch._inductor.codecache", types.ModuleType("torch._inductor.codecache"))
+    monkeypatch.setattr(cpu_sinkhorn, "_built", {})
+    monkeypatch.setattr(cpu_sinkhorn, "_ready", {})
+    with pytest.warns(kernels.KernelBuildWarning, match="Sinkhorn"):
+        cpu_sinkhorn.prepare(4, torch.device("cpu"))
+    assert cpu_sinkhorn._ready == {4: False}
+
+
+def test_without_the_private_prims_op_a_stored_input_is_itself(monkeypatch):
+    """kernels.stored where torch.ops.prims has no inductor_force_stride_order: the input itself."""
+    monkeypatch.setattr(torch.ops, "prims", types.SimpleNamespace())
+    monkeypatch.setattr(kernels, "as_reduction", lambda rows, device: True)
+    x = torch.randn(2, 8)
+    assert kernels.stored(x) is x
+
+
+def test_without_dynamos_recompile_limit_error_nothing_is_caught(monkeypatch):
+    """kernels.recompile_limit_errors where torch._dynamo.exc lacks FailOnRecompileLimitHit: nothing to catch."""
+    assert kernels.recompile_limit_errors() == (torch._dynamo.exc.FailOnRecompileLimitHit,)
+    monkeypatch.delattr(torch._dynamo.exc, "FailOnRecompileLimitHit")
+    assert kernels.recompile_limit_errors() == ()

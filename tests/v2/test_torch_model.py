@@ -26,7 +26,7 @@ from convert.safe_pickle import load_file
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import TransformerConfig
 from convert.v2.lora import merge_lora
-from needle_torch import kernels
+from needle_torch.fast import kernels
 from needle_torch.layers import ZCRMSNorm, make_causal_mask
 from needle_torch.v2 import (
     Engram,
@@ -44,8 +44,8 @@ from needle_torch.v2 import (
     walsh_transform,
 )
 from needle_torch.v2 import model as v2_model
-from needle_torch.v2.engram import engram_history_masks
-from needle_torch.v2.lanes import mix_out, project, route
+from needle_torch.v2.generate import engram_history_masks
+from needle_torch.v2.lanes import project, route, write_lanes
 
 jax.config.update("jax_default_matmul_precision", "highest")
 torch.set_float32_matmul_precision("highest")  # float32 parity: no TF32 / reduced-precision passes
@@ -510,8 +510,8 @@ def test_compiled_walsh_and_lane_mix_are_the_eager_functions(monkeypatch):
     lanes, y = torch.randn(2, 3, 4, 32, generator=g), torch.randn(2, 3, 32, generator=g)
     hr, hp, ln, yy = (a.double().numpy() for a in (hres, hpost, lanes, y))
     exact = np.einsum("btij,btjc->btic", hr, ln) + hp[..., None] * yy[:, :, None]
-    got = torch.compile(mix_out, fullgraph=True, dynamic=False)(hres, hpost, lanes, y, torch.float32)
-    assert rel(got, exact) <= 1e-6 and rel(mix_out(hres, hpost, lanes, y, torch.float32), exact) <= 1e-6
+    got = torch.compile(write_lanes, fullgraph=True, dynamic=False)(hres, lanes, hpost, y, torch.float32)
+    assert rel(got, exact) <= 1e-6 and rel(write_lanes(hres, lanes, hpost, y, torch.float32), exact) <= 1e-6
 
 
 @pytest.mark.slow
@@ -574,7 +574,7 @@ def test_the_routing_projections_are_each_phi_product_eager_and_stacked_when_com
 
 @pytest.mark.slow
 def test_the_routing_logits_of_the_lanes_are_their_rms_unit_times_each_phi():
-    """lanes.route: x̂ φ for each φ with x̂ = rms_unit of the flattened lanes; eagerly project(flatten_lanes(..)),
+    """lanes.route: x̂ φ for each φ with x̂ = rms_unit of the flattened lanes; eagerly project(flat_lanes(..)),
     compiled for CPU at 6 float32 rows the product of the lanes themselves times rms_unit's factor per row (bf16
     lanes: project's product of x̂), at 3 the fused multiply-and-sum of x̂. Each within 1e-6 of float64 (float32
     sums of 256 terms, the factor rounded once more; measured <= 3e-7): the factor left out would be off by the
@@ -700,11 +700,9 @@ def test_attention_gqa_and_fully_masked_rows(dtype, flash):
 
 
 @pytest.mark.parametrize("window", [0, 20])
-def test_a_causal_prefill_attends_in_query_blocks_over_earlier_keys_only(window):
-    """causal=True (a cached prefill: decode mask, queries the last T of the keys) runs the queries in blocks of
-    QUERY_BLOCK rows over the keys up to each block's last query: the same attention as one call over all keys,
-    and as numpy's, for left-padded rows (pad queries see only themselves), a window with sinks, and T not a
-    multiple of the block."""
+def test_a_causal_prefill_attends_as_one_call_over_all_keys(window):
+    """causal=True (a cached prefill: decode mask, queries the last T of the keys): the same attention as one call
+    over all keys, and as numpy's, for left-padded rows (pad queries see only themselves) and a window with sinks."""
     rng = np.random.default_rng(11)
     B, H, K, h, pos, T = 2, 4, 2, 16, 5, 75
     S = pos + T
@@ -715,13 +713,9 @@ def test_a_causal_prefill_attends_in_query_blocks_over_earlier_keys_only(window)
     sink = torch.zeros(B, S, dtype=torch.bool)
     sink[:, 9:12] = True
     mask = v2_model.make_decode_mask(torch.arange(pos, S), valid, window, sink if window else None)  # (B, 1, T, S)
-    blocks = v2_model.cpu_prefill_blocks(q, k, causal=True)
-    Q = v2_model.QUERY_BLOCK
-    assert blocks == [(a, min(T, a + Q), pos + min(T, a + Q)) for a in range(0, T, Q)] and len(blocks) == 3
-    assert v2_model.cpu_prefill_blocks(q, k, causal=False) == [(0, T, S)]
     got = dot_product_attention(q, k, v, mask, causal=True)
     whole = dot_product_attention(q, k, v, mask)
-    # float32 sums of up to 80 terms in another blocking: a few ulps of O(1) values (measured 3e-7)
+    # float32 sums of up to 80 terms, perhaps in another order: a few ulps of O(1) values
     assert (got - whole).abs().max().item() <= 1e-6
     assert np.abs(got.numpy() - np_attention(q.numpy(), k.numpy(), v.numpy(), mask.numpy())).max() <= 1e-6
 

@@ -7,15 +7,14 @@ matmul up to the order of the float32 sum, and a compiled step is the eager step
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import os
 import re
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+# ----------------------------------------------------------------------------- the one switch
+
+# Every fast form below asks enabled() first; generate(..., fast=False) turns them all off for one request, so that
+# the plain modules run as written (eager or under a plain torch.compile). A module global: torch.compile guards on
+# it, so a graph traced with the fast forms is never reused without them.
+_ENABLED = True
+
+
+def enabled() -> bool:
+    """Whether the fast forms of this package apply (generate's `fast` argument; on by default)."""
+    return _ENABLED
+
+
+@contextmanager
+def fast_paths(on: bool) -> Iterator[None]:
+    """Run the block with the fast forms on or off (restored after, also on an error)."""
+    global _ENABLED
+    before, _ENABLED = _ENABLED, bool(on)
+    try:
+        yield
+    finally:
+        _ENABLED = before
+
 
 # ----------------------------------------------------------------------------- bf16 products by CPU capability
 
@@ -115,7 +138,7 @@ def _native_bf16() -> bool:
 
 def upcasts(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a product in `dtype` on `device` runs as float32 kernels on upcast operands (see bf16_path)."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and not _native_bf16()
+    return _ENABLED and dtype == torch.bfloat16 and device.type == "cpu" and not _native_bf16()
 
 
 def product_path(dtype: torch.dtype) -> int:
@@ -168,7 +191,7 @@ def decide_f32_path(environ: Mapping[str, str], vendor: str, onednn_available: b
     """The rule of f32_path, given the environment, the CPU's vendor id and whether torch has oneDNN."""
     forced = environ.get(F32_PATH_ENV, "").lower()
     if not onednn_available:
-        return F32Path(False, "this torch has no oneDNN (torch.backends.mkldnn)")
+        return F32Path(False, "this torch has no oneDNN or lacks its private ops (kernels.ONEDNN_OPS)")
     if forced in ("onednn", "library"):
         return F32Path(forced == "onednn", f"forced by {F32_PATH_ENV}={forced}")
     if vendor in ("GenuineIntel", ""):
@@ -176,12 +199,31 @@ def decide_f32_path(environ: Mapping[str, str], vendor: str, onednn_available: b
     return F32Path(True, f"a {vendor} CPU: MKL keeps its AVX-512 kernels for Intel's, oneDNN picks by ISA")
 
 
+# The private oneDNN ops onednn_linear and packs_bf16 call; without any of them (another torch) products take the
+# library's kernels (F.linear), the same function.
+ONEDNN_OPS = ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")
+
+
+def onednn_ops() -> bool:
+    """Whether this torch has oneDNN and every private op of ONEDNN_OPS (torch.ops.mkldnn)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    namespace = getattr(torch.ops, "mkldnn", None)
+    for name in ONEDNN_OPS:
+        try:
+            if getattr(namespace, name, None) is None:
+                return False
+        except (AttributeError, RuntimeError):  # an _OpNamespace raises for an op it does not know
+            return False
+    return True
+
+
 @functools.cache
 def f32_path() -> F32Path:
     """Which kernels float32 products of compiled CPU graphs take (decided once per process, before any compile):
     oneDNN on CPUs whose vendor is not Intel, MKL (the library's product) on Intel's. NEEDLE_TWIN_F32=onednn|library
     forces a path. Eager code and other devices always take the library product."""
-    return decide_f32_path(os.environ, cpuinfo("vendor_id") or "", torch.backends.mkldnn.is_available())
+    return decide_f32_path(os.environ, cpuinfo("vendor_id") or "", onednn_ops())
 
 
 @torch.compiler.assume_constant_result
@@ -264,7 +306,7 @@ def f32_product(x: Tensor, w: Tensor) -> bool:
 
 @torch.compiler.assume_constant_result
 def _onednn_bf16() -> bool:
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # a constant to torch.compile
+    return onednn_ops() and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # a constant to torch.compile
 
 
 def packs_bf16(x: Tensor, w: Tensor) -> bool:
@@ -300,13 +342,13 @@ REDUCE_MAX_ROWS = 4
 
 def reduces_when_compiled(rows: int, device: torch.device) -> bool:
     """Whether a compiled product with `rows` rows on `device` is written as a multiply-and-sum (CPU, few rows)."""
-    return device.type == "cpu" and rows <= REDUCE_MAX_ROWS
+    return _ENABLED and device.type == "cpu" and rows <= REDUCE_MAX_ROWS
 
 
 def compiling_for_cpu(device: torch.device) -> bool:
     """Whether the code being run is traced by torch.compile for `device` on CPU: where the compiled forms of this
     package apply (reductions, and the Needle 2 Walsh, lane-mix and bf16 attention forms), all measured on CPU."""
-    return torch.compiler.is_compiling() and device.type == "cpu"
+    return _ENABLED and torch.compiler.is_compiling() and device.type == "cpu"
 
 
 def graph_calls(device: torch.device, ready: Mapping, key) -> bool:
@@ -390,33 +432,6 @@ def _bare(layer: nn.Module) -> bool:
     return bare_linear(layer) and not hooked(layer) and not hooked()
 
 
-# Projections that read the same input (the attention's q, k, v and gate) run as one oneDNN product against their
-# stacked weights, packed once (packed_weight), where each would be a packed product of few rows: one call and one
-# pass over the input instead of four (113 product calls a step instead of 167 at the published size). Batch 32,
-# float32, the torch.compile step with and without, alternating in one process on a 2-core Zen 4 EPYC, the logits bit
-# for bit: profiled (6 rounds of 5 steps, medians a step) the oneDNN products took 17.3 against 19.6 ms, the custom
-# op's Python 3.2 against 4.7 ms, the graph's wrapper 8.9 against 9.6 ms. In wall-clock steps a first version ran
-# 56.1 against 58.4 ms (medians of 80 pairs, faster in 74 %); later runs on a busier host (steps 62-74 ms) could
-# not tell the two apart (faster in 50 % of the pairs).
-def shared_input(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
-    """[layer(x) for layer in layers], as one product of the stacked weights where each product would take
-    onednn_linear against a packed weight (a compiled CPU step of at most PACK_MAX_ROWS rows, more than
-    REDUCE_MAX_ROWS: float32 products of float32 layers or of bf16 ones on the upcast path, or bf16 products on the
-    native path, packs_bf16) and every layer is a bare Linear (_bare); else each layer's own call."""
-    rows = x.shape[:-1].numel()
-    if REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS and all(_bare(layer) for layer in layers):
-        ws = [layer.weight for layer in layers]
-        product = None
-        if all(f32_product(x, w) and takes_onednn(x, w) for w in ws):
-            product = torch.float32
-        elif all(packs_bf16(x, w) for w in ws):
-            product = torch.bfloat16
-        if product is not None:
-            y = onednn_linear(x.to(product).reshape(-1, x.shape[-1]), ws).to(x.dtype).view(*x.shape[:-1], -1)
-            return list(y.split([w.shape[0] for w in ws], dim=-1))
-    return [layer(x) for layer in layers]
-
-
 def repeated_region(fn: Callable) -> Callable:
     """Mark `fn` (one layer's work, the layer module its first argument) as torch.compile's nested compile
     region: traced and compiled once, then stamped out for every layer of a compiled step instead of being
@@ -444,81 +459,9 @@ PREFILL_TOKENS = 2048
 def prefill_rows(batch: int, length: int, device: torch.device) -> int:
     """How many of `batch` prompts of `length` tokens one prefill chunk takes: PREFILL_TOKENS' worth (at least one)
     on CPU; elsewhere all of them (a GPU's caching allocator reuses its blocks; not measured here)."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not _ENABLED:
         return batch
     return max(1, min(batch, PREFILL_TOKENS // length))  # length >= 1: every prompt has a token
-
-
-# ----------------------------------------------------------------------------- glibc's heap kept for reuse
-
-# glibc hands freed memory back to the system: a block above its mmap threshold (128 KiB at start, raised by each free
-# of an mmapped block) is mmapped afresh and unmapped when freed, and free memory at the top of the heap beyond the trim
-# threshold (twice the mmap one) is trimmed. A generation request's K/V cache (566 MB at batch 32 in float32, in 10 MB
-# buffers) and its prefill's intermediates (up to 16 MiB) therefore fault their pages in anew request after request,
-# and a page fault is slow on a VM. Measured at the published size on a 2-core Zen 4 EPYC, float32, batch 32,
-# compile="all", 256 + 64 tokens, the 2nd and 3rd requests of a process: with glibc's defaults 75-201 thousand minor
-# faults and 0.6-2.2 s of system CPU time a request, 11.0-11.6 s; with both thresholds fixed (these values, through
-# GLIBC_TUNABLES) 4-16 thousand faults, 0.2 s, 9.4-9.5 s. So a CPU generation fixes them once per process (mallopt),
-# as a caching allocator would: the process keeps what it freed below 2 GiB for reuse instead of returning it (its
-# resident size stays at its peak). Blocks above MMAP_THRESHOLD (the most mallopt takes) are still mmapped afresh.
-# Whole benchmark runs cannot tell the two policies apart on that VM: benchmarks/bench_torch_v2.py --heaps, three pairs
-# of processes in both orders, float32 batch 32 compile="all", 232.6 / 199.1 / 201.5 tok/s end to end kept against
-# 192.2 / 211.6 / 204.8 with glibc's defaults, batch-1 prefills 249 / 155 / 236 against 174 / 204 / 161 ms: within the
-# host's noise both ways. Its bf16 batch-1 cells were slower kept in both pairs timed (prefill 200 / 166 against 120 /
-# 120 ms), but timed alone in fresh processes alternating (2nd-4th requests) they overlap: compile=True prefill 262-417
-# against 272-426 ms, steps 3.95-4.50 against 3.84-4.93 ms; compile="all" 151-218 against 128-171 ms, steps 4.09-4.97
-# against 4.02-4.80 ms; 2-8 faults a request either way. The default rests on the fault and system-time counts above.
-HEAP_ENV = "NEEDLE_TWIN_HEAP"  # "system": leave glibc's thresholds as they are
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
-MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
-TRIM_THRESHOLD = 2**31 - 1  # mallopt's value is an int
-
-
-@dataclass(frozen=True)
-class HeapPolicy:
-    """Whether this process keeps freed memory for reuse (glibc's mmap and trim thresholds fixed), and why."""
-
-    kept: bool
-    reason: str
-
-    def __str__(self) -> str:
-        return f"heap {'kept' if self.kept else 'left to the system'}: {self.reason}"
-
-
-def decide_heap(environ: Mapping[str, str], mallopt: Callable[[int, int], int] | None) -> HeapPolicy:
-    """The rule of keep_heap, given the environment and glibc's mallopt (None where the C library has none); calls
-    mallopt when the heap is to be kept."""
-    if environ.get(HEAP_ENV, "").lower() == "system":
-        return HeapPolicy(False, f"{HEAP_ENV}=system")
-    if mallopt is None:
-        return HeapPolicy(False, "the C library is not glibc (no mallopt)")
-    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        return HeapPolicy(False, "glibc's mallopt refused the thresholds")
-    return HeapPolicy(True, f"glibc's mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold "
-                            f"{(TRIM_THRESHOLD + 1) >> 30} GiB ({HEAP_ENV}=system leaves them)")
-
-
-def _glibc_mallopt() -> Callable[[int, int], int] | None:
-    try:
-        libc = ctypes.CDLL(None)
-        # glibc's own symbol first: another C library's mallopt may take other parameters
-        return libc.mallopt if libc.gnu_get_libc_version else None
-    except (OSError, AttributeError):
-        return None
-
-
-def keep_heap_for(device: torch.device) -> None:
-    """keep_heap() where `device` is the CPU (generation's entry points call this); nothing for other devices."""
-    if device.type == "cpu":
-        keep_heap()
-
-
-@functools.cache
-def keep_heap() -> HeapPolicy:
-    """Fix glibc's mmap and trim thresholds for this process, once (see HEAP_ENV above): CPU generation calls it, so
-    that requests reuse the memory earlier ones freed instead of faulting fresh pages in. NEEDLE_TWIN_HEAP=system
-    leaves glibc's defaults (their memory goes back to the system when freed). A no-op without glibc."""
-    return decide_heap(os.environ, _glibc_mallopt())
 
 
 # ----------------------------------------------------------------------------- C++ kernels built at run time
@@ -585,16 +528,24 @@ RECOMPILE_LIMIT_HIT = ("torch.compile reached its recompile limit in this proces
                        "(slower); use fewer distinct batch sizes, source lengths, max_new_tokens, dtypes or "
                        "mask/suppress variants per process, or raise torch._dynamo.config.recompile_limit")
 
-_compiled: dict[Callable, Callable] = {}
+
+def recompile_limit_errors() -> tuple[type[Exception], ...]:
+    """dynamo's error past its recompile limit, a private class: () where this torch lacks it (nothing caught)."""
+    error = getattr(getattr(torch._dynamo, "exc", None), "FailOnRecompileLimitHit", None)
+    return () if error is None else (error,)
+
+
+_compiled: dict[tuple, Callable] = {}
 
 
 def compiled(fn: Callable, options: dict | None = None) -> Callable:
-    """`fn` under torch.compile (one wrapper per function; graphs cached per shapes, dtypes and None-ness of its
-    arguments, up to torch._dynamo.config.recompile_limit: past it, `call_compiled` runs eagerly and warns).
-    options: inductor settings for this function's graphs (the first call's options stay with `fn`)."""
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
-    return _compiled[fn]
+    """`fn` under torch.compile (one wrapper per function and options; graphs cached per shapes, dtypes and
+    None-ness of its arguments, up to torch._dynamo.config.recompile_limit: past it, `CompiledStep` runs eagerly and
+    warns). options: inductor settings for this function's graphs."""
+    key = (fn, None if options is None else tuple(sorted(options.items())))
+    if key not in _compiled:
+        _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    return _compiled[key]
 
 
 def skip_guards() -> AbstractContextManager:
@@ -619,7 +570,7 @@ class CompiledStep:
                 return self._compiled(*args)
         try:
             return self._compiled(*args)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
+        except recompile_limit_errors():
             warnings.warn(RECOMPILE_LIMIT_HIT, CompileFallbackWarning, stacklevel=3)
             self._compiled = None  # eager with the same arguments, for the whole request
             return self.fn(*args)

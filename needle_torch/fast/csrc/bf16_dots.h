@@ -1,5 +1,5 @@
-// Blocks of bf16 dot products for the kernels that sum many of them at once (decode_step.cpp's bf16 products,
-// lane_route.cpp), on the CPU's AVX512-BF16 dot products (the includer checks that the CPU has them).
+// Blocks of bf16 dot products for the kernels that sum many of them at once (decode_step.cpp's bf16 products),
+// on the CPU's AVX512-BF16 dot products (the includer checks that the CPU has them).
 // needle_torch.kernels.cpp_source inlines this file where a kernel names it in an `#include "bf16_dots.h"` line.
 //
 // sums16(a): the 16 lane sums of a[0..16) as one vector, lane j = Σ a[j]'s lanes. It halves as _mm512_reduce_add_ps

@@ -53,11 +53,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from needle_torch.kernels import (
+from needle_torch.fast.kernels import (
     CPP_SCALARS,
     bare_linear,
     build_once,
     cpp_kernel,
+    enabled,
     hooked,
     product_path,
     walsh_entry,
@@ -146,8 +147,8 @@ def applies(model: nn.Module, rows: int) -> bool:
     """Whether cached-decoding steps of `rows` rows can run through the kernels: CPU, float32 or bf16, at most
     max_rows(dtype) rows, widths they take, the twin's own plain modules (_plain). Builds the kernels on first use;
     a failed build warns once (kernels.KernelBuildWarning) and answers False from then on."""
-    if (model.device.type != "cpu" or model.dtype not in CPP_SCALARS or not 1 <= rows <= max_rows(model.dtype)
-            or not _shaped(model.config) or not _plain(model)):
+    if (not enabled() or model.device.type != "cpu" or model.dtype not in CPP_SCALARS
+            or not 1 <= rows <= max_rows(model.dtype) or not _shaped(model.config) or not _plain(model)):
         return False
     return build_once(_defines(model.dtype, model.config), lambda: _build(model.dtype, model.config), _built, _ready,
                       "CPU decoding kernels", "compiled steps use torch.compile (same function, slower at small "

@@ -35,7 +35,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import CPP_SCALARS, REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls, walsh_entry
+from needle_torch.fast.kernels import (
+    CPP_SCALARS,
+    REDUCE_MAX_ROWS,
+    build_once,
+    cpp_kernel,
+    enabled,
+    graph_calls,
+    walsh_entry,
+)
 
 # Both widths must fill whole float vectors: 16 lanes with AVX-512, 8 with AVX2.
 WIDTH_MULTIPLE = 16
@@ -57,7 +65,8 @@ def _build(d_model: int, hada: int, dtype: torch.dtype):
 def prepare(d_model: int, hada: int, dtype: torch.dtype, device: torch.device) -> None:
     """Build the kernel compiled graphs of this width will call, if they take one (before compiling: the build
     runs eagerly, and a failure leaves the torch form in place with one kernels.KernelBuildWarning)."""
-    if device.type != "cpu" or dtype not in CPP_SCALARS or d_model % WIDTH_MULTIPLE or hada % WIDTH_MULTIPLE:
+    if (not enabled() or device.type != "cpu" or dtype not in CPP_SCALARS or d_model % WIDTH_MULTIPLE
+            or hada % WIDTH_MULTIPLE):
         return
     build_once(_key(d_model, hada, dtype), lambda: _build(d_model, hada, dtype), _built, _ready,
                "CPU Hadamard MLP kernel", "compiled graphs use the torch form (same function, slower)")

@@ -496,7 +496,7 @@ static void one_layer(const int64_t* table, const T* lanes, T* out, const bool* 
             sinkhorn_rows(proj.data() + b0 * R + 2 * N, R, rows, float(*ptr(A_RES)), ptr(B_RES),
                           hres.data() + b0 * N * N);
         }
-        // ---- routing weights, u = mix_in, the engram injection, pre_attn_norm
+        // ---- routing weights, u = read_lanes, the engram injection, pre_attn_norm
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; ++b) {
             const float* p = proj.data() + b * R;

@@ -55,7 +55,8 @@ from parity_tests.devices import torch_device
 from parity_tests.inputs import Batch, InputError, as_token_array, check_sizes, check_tokens
 from parity_tests.metrics import cosine, log_softmax, max_rel, token_kl, topk_agreement
 from parity_tests.outputs import check_outputs, write_outputs
-from parity_tests.quant_report import (
+from parity_tests.v2 import inputs as v2_inputs
+from parity_tests.v2.quant_report import (
     QuantReport,
     ReportError,
     Thresholds,
@@ -66,7 +67,6 @@ from parity_tests.quant_report import (
     score,
     to_json,
 )
-from parity_tests.v2 import inputs as v2_inputs
 
 DEFAULT_BATCH, DEFAULT_SEQ_LEN, DEFAULT_STEPS = 4, 32, 8
 LOGITS_PATH = ("embedding/", "stack/", "engrams_")  # Flax prefixes the LM logits depend on (not MTP, not the heads)

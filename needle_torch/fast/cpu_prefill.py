@@ -1,7 +1,7 @@
 """Torch-only speed code: a cached prefill's causal attention as one C++ kernel, for compiled CPU graphs.
 
 The kernel (csrc/prefill_attention.cpp) computes what model.dot_product_attention computes for a causal float32
-prefill through SDPA in blocks of queries (model.cpu_prefill_blocks): per block the keys up to its last query, logits
+prefill through SDPA, in blocks of model.QUERY_BLOCK queries: per block the keys up to its last query, logits
 q·kᵀ/√h plus the additive mask (0 or float32's lowest), softmax, p·v; the weights normalised after p·v, the same
 function up to the order of the float32 operations. Its bf16 build computes the twin's bf16 flash attention (float32
 logits and softmax of the bf16 q and k, the weights rounded to bf16, p·v summed in float32 and rounded once), for
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import CPP_SCALARS, build_once, cpp_kernel, graph_calls, product_path, upcasts
+from needle_torch.fast.kernels import CPP_SCALARS, build_once, cpp_kernel, enabled, graph_calls, product_path, upcasts
 
 # The head dim must fill whole float vectors (the kernel's static_assert): 16 lanes with AVX-512, 8 with AVX2.
 HEAD_MULTIPLE = 16
@@ -76,7 +76,7 @@ def _takes(dtype: torch.dtype, device: torch.device) -> bool:
 def prepare(group: int, head: int, dtype: torch.dtype, device: torch.device) -> None:
     """Build the kernel compiled prefills with these heads in `dtype` will call (before compiling: the build runs
     eagerly, and a failure leaves SDPA or the explicit attention in place with one kernels.KernelBuildWarning)."""
-    if not _takes(dtype, device) or head % HEAD_MULTIPLE:
+    if not enabled() or not _takes(dtype, device) or head % HEAD_MULTIPLE:
         return
     build_once(_key(group, head, dtype), lambda: _build(group, head, dtype), _built, _ready,
                "CPU prefill attention kernel", "compiled prefills keep the torch attention (same function, slower)")

@@ -1,4 +1,4 @@
-"""Quantization parity (parity_tests.quant): the figures against upstream's CQ goldens and against direct numpy.
+"""Quantization parity (parity_tests.v2.quant): the figures against upstream's CQ goldens and against direct numpy.
 
 Goldens: tests/data/needle-v2-tiny.{q4,q2,mixed,t158}.cact, `needle-v2-tiny.quant.npz` (tokens, upstream's
 logits of the float and each CQ tree, per-layer lane metrics), `needle-v2-tiny.quant.layers.npz` (upstream's
@@ -37,7 +37,7 @@ from convert.v2.cq import cq_mixed_params
 from convert.v2.lora import merge_lora
 from needle_torch.v2 import SimpleAttentionNetwork
 from parity_tests.inputs import Batch, InputError
-from parity_tests.quant import (
+from parity_tests.v2.quant import (
     LOGITS_PATH,
     compare,
     from_cact,
@@ -51,7 +51,7 @@ from parity_tests.quant import (
     unquantized,
     widen,
 )
-from parity_tests.quant_report import (
+from parity_tests.v2.quant_report import (
     SCHEMA,
     QuantReport,
     ReportError,
@@ -121,7 +121,7 @@ def test_the_direct_computation_itself():
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """One intra-op thread for this module: the tiny model's matmuls are microseconds, and on a busy 2-core machine
-    torch's thread pool made every one of them ~10 ms (the module took 150 s instead of ~20 s)."""
+    torch's thread pool costs far more than they do."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -432,7 +432,7 @@ def test_refusals(ckpt, params32, tmp_path):
 
 
 def test_imports_no_jax():
-    code = "import sys, parity_tests.quant; assert 'jax' not in sys.modules and 'flax' not in sys.modules"
+    code = "import sys, parity_tests.v2.quant; assert 'jax' not in sys.modules and 'flax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -471,7 +471,7 @@ def test_json_round_trip(reports, tmp_path):
 
 def test_schema_doc_names_every_field(reports):
     """QUANT_SCHEMA.md documents every key the report writes (top level, per_layer, per_tensor, greedy, kld)."""
-    doc = open("parity_tests/QUANT_SCHEMA.md", encoding="utf-8").read()
+    doc = open("parity_tests/v2/QUANT_SCHEMA.md", encoding="utf-8").read()
     documented = set(re.findall(r"`([a-z_0-9]+)`", doc))
     d = _strict_json(to_json(reports["q4"]))
     keys = set(d) | set(d["per_layer"][0]) | set(d["per_tensor"][0]) | set(d["greedy"]) | set(d["kld"])

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import REDUCE_MAX_ROWS, build_once, cpp_kernel, graph_calls
+from needle_torch.fast.kernels import REDUCE_MAX_ROWS, build_once, cpp_kernel, enabled, graph_calls
 
 _SOURCE = Path(__file__).with_name("csrc") / "sinkhorn.cpp"
 _built: dict[int, object] = {}  # lanes -> the kernel
@@ -33,7 +33,7 @@ def _build(lanes: int):
 def prepare(lanes: int, device: torch.device) -> None:
     """Build the kernel compiled graphs with `lanes` lanes will call (before compiling: the build runs eagerly, and a
     failure leaves the torch form in place with one kernels.KernelBuildWarning)."""
-    if device.type == "cpu":
+    if enabled() and device.type == "cpu":
         build_once(lanes, lambda: _build(lanes), _built, _ready, "CPU Sinkhorn kernel",
                    "compiled graphs use the torch form (same function, slower)")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from needle_torch.kernels import CPP_SCALARS, build_once, cpp_kernel
+from needle_torch.fast.kernels import CPP_SCALARS, build_once, cpp_kernel, enabled
 
 # Rows x kv heads from which a compiled step calls the kernel instead of fusing the attention into the layer (batch 8
 # at the published size's 4 kv heads; batch 4 measured even).
@@ -55,7 +55,7 @@ def prepare(dtype: torch.dtype, group: int, head: int, device: torch.device, uni
     """Build the kernel a compiled step over `units` rows x kv heads in `dtype` with these heads will call, if it
     takes one (before compiling: the build runs eagerly, and a failure leaves the fused form in place with one
     kernels.KernelBuildWarning)."""
-    if not takes(units) or device.type != "cpu" or dtype not in CPP_SCALARS or head % HEAD_MULTIPLE:
+    if not enabled() or not takes(units) or device.type != "cpu" or dtype not in CPP_SCALARS or head % HEAD_MULTIPLE:
         return
     build_once(_key(dtype, group, head), lambda: _build(dtype, group, head), _built, _ready,
                "CPU decode attention kernel", "compiled steps use the fused torch form (same function, slower at "
