@@ -1,5 +1,5 @@
 """The C++ prefill attention (needle_torch/fast/cpu_prefill.py) against the twin's own attention
-(model.dot_product_attention: SDPA's query blocks in float32, the explicit bf16 flash attention on the upcast path),
+(model.dot_product_attention: SDPA in float32, the explicit bf16 flash attention on the upcast path),
 against a float64 numpy attention, and inside compiled prefills against upstream's goldens: float32 and bf16, causal,
 left pads, windows with sinks."""
 
@@ -95,10 +95,9 @@ DOTS = pytest.mark.parametrize("dots", [False, pytest.param(True, marks=pytest.m
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_kernel_is_the_twins_blocked_attention(case):
-    """The kernel against model.dot_product_attention's SDPA blocks (eager, causal), everywhere, the fully masked
-    queries of a left-padded row included (a uniform average over its block's keys, in both), and against float64
-    numpy where a query sees any key."""
+def test_the_kernel_is_the_twins_attention(case):
+    """The kernel against model.dot_product_attention (eager, causal) and float64 numpy where a query sees any key;
+    the fully masked queries of a left-padded row stay finite (the kernel averages its block's keys, SDPA all)."""
     B, H, K, T, S, h, pads, window, sinks = CASES[case]
     q, k, v, mask = inputs(B, H, K, T, S, h, seed=len(case), pads=pads, window=window, sinks=sinks)
     cpu_prefill.prepare(H // K, h, torch.float32, CPU)
@@ -107,11 +106,12 @@ def test_the_kernel_is_the_twins_blocked_attention(case):
         out = cpu_prefill.attend(q, k, v, bias, v2_model.QUERY_BLOCK)
         ref = dot_product_attention(q, k, v, mask, True, causal=True)
     assert out.shape == ref.shape == q.shape and out.dtype == torch.float32
-    assert rel(out, ref) <= KERNEL_REL
+    assert bool(out.isfinite().all()) and bool(ref.isfinite().all())
     seen = mask[:, 0].any(-1)  # (B, T): queries with at least one key
     assert bool((~seen).any()) == any(p > S - T for p in pads)  # pad queries in the prefill: none seeing a key
     exact = numpy_attention(q, k, v, mask)
     for b in range(B):
+        assert rel(out[b][:, seen[b]], ref[b][:, seen[b]]) <= KERNEL_REL, f"row {b}"
         assert rel(out[b][:, seen[b]], exact[b][:, seen[b].numpy()]) <= KERNEL_REL, f"row {b}"
 
 
