@@ -32,7 +32,10 @@ def test_cli_names_no_family():
     assert "parity_tests.v1" not in source and "_generate_v" not in source
 
 
-def test_a_family_without_twins_is_refused_in_one_line():
+def test_a_family_without_twins_is_refused_in_one_line(monkeypatch):
+    from parity_tests import families
+
+    monkeypatch.delitem(families.ADAPTERS, "v3")  # a registered family whose parity twins are not declared
     result = runner.invoke(app, ["parity", "--family", "v3"])
     assert result.exit_code == 2, result.output
     assert "error: " in result.output and "no parity twins yet" in result.output, result.output

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from convert.errors import ConfigError
 from convert.mapping import random_flax_params
 from convert.v2.cq import cq_quantize as cq_quantize_np
-from convert.v3 import FAMILY, TransformerConfig, ladder_config, ladder_slice
+from convert.v3 import FAMILY, TransformerConfig, ladder_config, ladder_slice, width_config, width_slice
 from needle_flax.v3 import (
     SimpleAttentionNetwork,
     conv_taps,
@@ -48,8 +48,8 @@ BF16_TOP1 = 0.99  # the fixture's bf16 vs f32 agree at 100 %; a rounding flip ma
 RELS = {"float32": F32_REL, "bfloat16": BF16_REL}
 # What each golden array is, per upstream's call (tests/data/README-v3.md); a new key fails until it is added here.
 KNOWN = ("logits", "quant_logits", "hidden_states", "hidden_cells", "embedding", "confidence", "router",
-         "full_logits", "exit_logits", "subnetwork_logits", "ladder_logits", "lora_logits", "greedy_tokens",
-         "greedy_logits")
+         "full_logits", "exit_logits", "subnetwork_logits", "ladder_logits", "lora_logits", "width_logits",
+         "greedy_tokens", "greedy_logits")
 
 HEADS = ("embedding_head", "confidence_head", "router_head")
 TINY = TransformerConfig(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, num_layers=3, qk_head_dim=8,
@@ -151,6 +151,9 @@ def outputs():
             got["ladder_logits"] = jax.jit(rung.apply)({"params": ladder_slice(p, cfg, depth)}, tokens)
         if "lora_logits" in want:
             got["lora_logits"] = jax.jit(m.apply)({"params": _lora_params(g, p, dtype)}, tokens)
+        if "width_logits" in want:  # upstream's width_config / width_slice child at half the width
+            half = SimpleAttentionNetwork(width_config(cfg, cfg.d_model // 2))
+            got["width_logits"] = jax.jit(half.apply)({"params": width_slice(p, cfg, cfg.d_model // 2)}, tokens)
         if "greedy_logits" in want:
             # One (1, P+G-1) buffer a step, as upstream's replay: a batch of them rounds differently in bf16.
             bufs, P = _greedy_buffers(g, pre)

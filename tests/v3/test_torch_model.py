@@ -34,7 +34,7 @@ import convert
 from convert.errors import ConfigError
 from convert.io import read_checkpoint
 from convert.registry import family_named
-from convert.v3 import TransformerConfig, ladder_config, ladder_slice
+from convert.v3 import TransformerConfig, ladder_config, ladder_slice, width_config, width_slice
 from convert.v3.config import walsh_matrix
 from needle_torch.v3 import SimpleAttentionNetwork, cq_quantize, make_window_mask, mask_diag, shift_right
 from needle_torch.v3 import model as v3_model
@@ -51,7 +51,8 @@ F32_REL = goldens.F32_REL  # 1e-5: the project's float32 budget; measured here â
 BF16_REL = {"logits": 1.5e-2, "hidden": 2.5e-2, "head": 1.5e-2, "quant": 4e-2}
 BF16_TOP1 = {"logits": 0.95, "quant": 0.95}  # of 60 positions at most 3 flip, where the top two are within the budget
 # (measured: 1.00 on the base logits, 0.967 with LoRA merged, 0.983 quant: A8 bins flip on one-ulp changes)
-LOGIT_KEYS = ("logits", "full_logits", "exit_logits", "subnetwork_logits", "ladder_logits", "lora_logits")
+LOGIT_KEYS = ("logits", "full_logits", "exit_logits", "subnetwork_logits", "ladder_logits", "lora_logits",
+              "width_logits")
 KEYS = ("quant_logits", "hidden_states", "hidden_cells", "embedding", "confidence", "router", *LOGIT_KEYS,
         "greedy_logits")
 GROUP_SETS = [(), ("embedding_head",), ("confidence_head", "router_head"),
@@ -197,6 +198,9 @@ def outputs(request):
             out["subnetwork_logits"] = model(tok, exit_depth=depth, subnetwork_only=True)
             rung = ladder_config(config, depth)
             out["ladder_logits"] = _model(ladder_slice(params, config, depth), rung, dtype)(tok)
+        if f"{'f32' if dtype == 'float32' else 'bf16'}/width_logits" in g.arrays:  # upstream's width half
+            half = width_config(config, config.d_model // 2)
+            out["width_logits"] = _model(width_slice(params, config, half.d_model), half, dtype)(tok)
         lora = _lora_path(g, name)
         if lora is not None:
             out["lora_logits"] = _model(_merge_lora(params, lora, dtype), config, dtype)(tok)
