@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -250,9 +251,10 @@ def kron_apply(z: Tensor, a: Tensor, b: Tensor) -> Tensor:
 
 
 @functools.cache
-def _perms(n: int, split: bool) -> tuple[Tensor, Tensor]:
-    """upstream's two fixed gathers (numpy RandomState(11), (13)) as CPU index tensors."""
-    return tuple(torch.as_tensor(p) for p in hada_perms(n, split))
+def _perms(n: int, split: bool) -> tuple[np.ndarray, np.ndarray]:
+    """upstream's two fixed gathers (numpy RandomState(11), (13)); kept as numpy so that no tensor made under
+    inference_mode is cached into a later autograd forward."""
+    return hada_perms(n, split)
 
 
 class HadamardMLP(nn.Module):
@@ -275,7 +277,7 @@ class HadamardMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (B, T, D) in dt, the pre-normed block input -> (B, T, D) in dt."""
         dt, P = self.compute_dtype, self.d1.shape[0]
-        p1, p2 = (p.to(x.device) for p in _perms(P, self.split))
+        p1, p2 = (torch.as_tensor(p, device=x.device) for p in _perms(P, self.split))
         w = {name: getattr(self, name).to(dt) for name in ("w1a", "w1b", "w2a", "w2b", "w3a", "w3b")}
         d1, d2, b2, d3, d4 = (t.to(dt) for t in (self.d1, self.d2, self.b2, self.d3, self.d4))
         cond = 1 + self.cond_u(_softmax(self.cond_v(x)))  # (B, T, P), from the unpadded x

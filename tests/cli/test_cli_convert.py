@@ -88,7 +88,7 @@ def test_directory_defaults_to_hf_layout_and_shards(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--to", "flax"], "contradicts the output name"),
+    (["--to", "flax"], "checkpoints are pickles, not safetensors"),
     (["--max-shard-size", "1GB"], "--max-shard-size applies to a directory output"),
     (["--dtype", "float64"], "unknown dtype 'float64'"),
     (["--to", "jax"], "--to 'jax' is unknown"),
