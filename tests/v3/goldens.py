@@ -73,3 +73,29 @@ def top1_agreement(logits, ref) -> float:
 
 def _map(fn, tree):
     return {k: _map(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
+
+
+def twin_quant_flips(config: TransformerConfig, params: dict, tokens: np.ndarray):
+    """Both twins' float32 quant=True forwards traced at every A8 quantizer, compared (parity_tests/flips.py): the
+    report's `affected` positions are where a rounding flip between two correct runs reached. XLA's fusion (and so
+    which values sit a few ulps off a boundary) depends on its flags, so upstream's goldens are judged outside them."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import convert
+    from needle_flax.v3 import SimpleAttentionNetwork as FlaxNetwork
+    from needle_torch.v3 import SimpleAttentionNetwork as TorchNetwork
+    from parity_tests import flips
+
+    net = FlaxNetwork(config)
+    with jax.default_matmul_precision("highest"), flips.trace_flax() as flax_calls:
+        jax.block_until_ready(jax.jit(lambda p, t: net.apply({"params": p}, t, quant=True))(
+            jax.tree.map(jnp.asarray, params), jnp.asarray(tokens)))
+    sd = convert.flax_to_torch(params, config)
+    model = TorchNetwork(config, groups=tuple(h for h in ("embedding_head", "confidence_head", "router_head")
+                                              if any(k.startswith(h) for k in sd)))
+    model.load_state_dict(sd, strict=True)
+    with torch.no_grad(), flips.trace_torch(model) as torch_calls:
+        model(torch.as_tensor(tokens).long(), quant=True)
+    return flips.compare(flax_calls, torch_calls)

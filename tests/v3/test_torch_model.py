@@ -134,24 +134,6 @@ def _model(params: dict, config: TransformerConfig, dtype: str) -> SimpleAttenti
     return model.to(getattr(torch, dtype)).eval()
 
 
-def _flax_quant_calls(g: goldens.Golden, config: TransformerConfig, params: dict, tokens: np.ndarray):
-    """The Flax twin's quant=True forward, traced: upstream's stand-in for the A8 codes (it makes upstream's rounding
-    choices: test_flax_model holds it to the goldens, and it is held to f32/quant_logits here too)."""
-    import jax
-    import jax.numpy as jnp
-
-    from needle_flax.v3 import SimpleAttentionNetwork as FlaxNetwork
-
-    net = FlaxNetwork(config)
-    with jax.default_matmul_precision("highest"), flips.trace_flax() as calls:  # as the goldens were made
-        logits = jax.jit(lambda p, t: net.apply({"params": p}, t, quant=True))(  # a fresh jit: traced with the hooks
-            jax.tree.map(jnp.asarray, params), jnp.asarray(tokens))
-        logits = np.asarray(logits)
-    err = goldens.rel(logits, g.arrays["f32/quant_logits"])
-    assert err <= F32_REL, f"the Flax twin misses upstream's f32/quant_logits ({err:.3e}): it cannot stand in"
-    return calls
-
-
 def _greedy(model: SimpleAttentionNetwork, prompt: np.ndarray, steps: int, buf_len: int) -> torch.Tensor:
     """upstream's run.generate replayed: the PAD-filled buffer re-run whole each step, logits at the last filled
     position, greedy (no EOS in these goldens)."""
@@ -179,12 +161,9 @@ def outputs(request):
     out = {}
     with torch.no_grad():
         out["logits"] = model(tok)
+        out["quant_logits"] = model(tok, quant=True)
         if dtype == "float32":  # A8 rounding flips against the Flax twin's codes (parity_tests/flips.py)
-            with flips.trace_torch(model) as quant_calls:
-                out["quant_logits"] = model(tok, quant=True)
-            out["quant_flips"] = flips.compare(_flax_quant_calls(g, config, params, g.arrays["tokens"]), quant_calls)
-        else:
-            out["quant_logits"] = model(tok, quant=True)
+            out["quant_flips"] = goldens.twin_quant_flips(config, params, g.arrays["tokens"])
         out["hidden_states"] = model.hidden_states(tok)
         out["hidden_cells"] = model.hidden_cells(tok)
         if "embedding_head" in model.groups:
