@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from convert.errors import ConfigError
+from convert.decoder import ENGRAM_TAPS, DecoderSizes, check_decoder, int8_bytes, kv_budget
 from convert.fields import FamilyConfig, check_heads, positive
 
 # Special token ids (NEEDLE_V2.md §8): PAD, EOS, BOS, UNK, then the ten chat markers.
@@ -24,14 +24,10 @@ CHAT_MARKERS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tools>", 
 MARKER_IDS = {marker: 4 + i for i, marker in enumerate(CHAT_MARKERS)}
 FIRST_PLAIN_ID = 4 + len(CHAT_MARKERS)  # 14: the first id of an ordinary piece
 
-# Engram hash constants and the decode-time token-history window (§3.6, §6).
-ENGRAM_TAPS = 4
-KV_BUDGET_BYTES = 11 * 2**20 + 2**19  # what upstream's kv_budget_window fits the cache into
-KV_BUDGET_FLOOR = 160
 
 
 @dataclass(frozen=True)
-class TransformerConfig(FamilyConfig):
+class TransformerConfig(DecoderSizes, FamilyConfig):
     """Needle 2 hyper-parameters: upstream's fields, in upstream's order, with upstream's defaults.
 
     `attn_dim` is resolved as upstream resolves it (0 -> d_model). Invariants upstream asserts (engram sites
@@ -76,27 +72,7 @@ class TransformerConfig(FamilyConfig):
         positive(self, ("attn_dim", "engram_heads", "kv_window"), minimum=0)
         check_heads("attn_dim", self.attn_dim, self.num_heads, self.num_kv_heads)
         super().check()
-        if not self.rope_theta > 0:
-            raise ConfigError(f"config.rope_theta must be > 0, got {self.rope_theta}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ConfigError(f"config.pad_token_id={self.pad_token_id} is outside the vocabulary "
-                              f"[0, {self.vocab_size})")
-        if not self.engram_orders or min(self.engram_orders) < 1:
-            raise ConfigError(f"config.engram_orders={list(self.engram_orders)} must be a non-empty list of n-gram "
-                              "orders >= 1, e.g. [2, 3]")
-        if self.engram_sub_dim < 1:
-            raise ConfigError(f"config.engram_heads={self.engram_heads} with {len(self.engram_orders)} orders makes "
-                              f"{self.num_engram_tables} tables wider than d_model={self.d_model}; use fewer heads")
-        outside = [site for site in self.engram_layers if not 0 <= site < self.num_layers]
-        if outside:
-            raise ConfigError(f"config.engram_layers={list(self.engram_layers)} has site(s) {outside} outside the "
-                              f"{self.num_layers} layers (upstream asserts each < num_layers); use layer indices "
-                              f"0..{self.num_layers - 1} or raise num_layers")
-        repeated = sorted({site for site in self.engram_layers if self.engram_layers.count(site) > 1})
-        if repeated:
-            raise ConfigError(f"config.engram_layers={list(self.engram_layers)} repeats site(s) {repeated}: upstream's "
-                              "forward adds such a site once per entry but its cached decoding only once, so the two "
-                              "disagree; list each layer once")
+        check_decoder(self)
 
     def upstream_dict(self) -> dict[str, Any]:
         """As upstream's trainer pickles `config.__dict__`: the fields that differ from the defaults, plus attn_dim
@@ -119,47 +95,14 @@ class TransformerConfig(FamilyConfig):
         return self.num_kv_heads * self.head_dim
 
     @property
-    def engram_heads_resolved(self) -> int:  # E
-        return self.engram_heads or max(1, self.d_model // (len(self.engram_orders) * 128))
-
-    @property
-    def num_engram_tables(self) -> int:  # N = |O|·E, table k = oi·E + e (order-major)
-        return len(self.engram_orders) * self.engram_heads_resolved
-
-    @property
-    def engram_sub_dim(self) -> int:  # s
-        return self.d_model // self.num_engram_tables
-
-    @property
-    def engram_dilation(self) -> int:  # the taps' dilation: max(O)
-        return max(self.engram_orders)
-
-    @property
     def engram_history(self) -> int:  # W = 4·max(O): tokens of history cached decoding hashes
         return ENGRAM_TAPS * self.engram_dilation
 
     @property
-    def num_sites(self) -> int:  # G
-        return len(self.engram_layers)
-
-    @property
-    def hada_dim(self) -> int:  # P: the smallest power of two >= D
-        return 1 << (self.d_model - 1).bit_length()
-
-    @property
     def kv_budget_window(self) -> int:
-        """Upstream's `kv_budget_window`: the positions an int8 cache fits into 11.5 MiB, in steps of 32, floored at
-        160 (which may exceed max_seq_len: upstream's behaviour)."""
-        kh, d = self.kv_dim, self.d_model
-        per_pos = self.num_layers * (2 * kh + 2 * (kh // 32) * 4) + self.num_sites * (d + (d // 32) * 4)
-        window = KV_BUDGET_BYTES // per_pos // 32 * 32
-        return max(KV_BUDGET_FLOOR, min(window, self.max_seq_len))
-
-    @property
-    def effective_kv_window(self) -> int:
-        """Upstream's `effective_kv_window` (the .cact header's): min(budget, kv_window), or the budget."""
-        budget = self.kv_budget_window
-        return min(budget, self.kv_window) if self.kv_window else budget
+        """Upstream's `kv_budget_window`: the positions an int8 cache of every layer and engram site fits."""
+        return kv_budget(self.num_layers * 2 * int8_bytes(self.kv_dim) + self.num_sites * int8_bytes(self.d_model),
+                         self.max_seq_len)
 
 
 # Upstream's PRESETS (NEEDLE_V2.md §1): plain dicts of keyword arguments.

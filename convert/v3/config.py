@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from convert.decoder import ENGRAM_TAPS as ENGRAM_TAPS  # the twins' model files read it here
+from convert.decoder import KV_BUDGET_BYTES, KV_GROUP, KV_WINDOW_MIN, DecoderSizes, check_decoder, int8_bytes, kv_budget
 from convert.errors import ConfigError
 from convert.fields import FamilyConfig, positive
 
@@ -28,11 +30,7 @@ CHAT_MARKERS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tools>", 
                 "</tool_call>", "<tool_result>", "</tool_result>", "<context>", "</context>", "<extract>",
                 "</extract>", "<schema>", "</schema>")
 
-ENGRAM_SUB_DIM = 128  # the sub-dim the engram head count is derived from
-ENGRAM_TAPS = 4  # the engram value conv's taps
 HADA_COND_RANK = 8  # the Monarch MLP's low-rank conditioning width
-KV_BUDGET_BYTES = 11 * 2**20 + 2**19  # what upstream's kv_budget_window fits the int8 cache into
-KV_GROUP, KV_WINDOW_MIN = 32, 160
 
 # upstream's from_saved: a feature key missing from a saved config means "off", not the class default.
 _OFF_WHEN_MISSING = (("qk_head_dim", 0), ("v_head_dim", 0), ("sliding_window", 0), ("global_layers", ()),
@@ -41,7 +39,7 @@ _OFF_WHEN_MISSING = (("qk_head_dim", 0), ("v_head_dim", 0), ("sliding_window", 0
 
 
 @dataclass(frozen=True)
-class TransformerConfig(FamilyConfig):
+class TransformerConfig(DecoderSizes, FamilyConfig):
     """Needle 3 hyper-parameters: upstream's fields, in upstream's order, with upstream's defaults.
 
     Head dims of 0 resolve to d_model // num_heads (`head_dims`), as upstream resolves them. Invariants upstream
@@ -144,30 +142,11 @@ class TransformerConfig(FamilyConfig):
                               f"{self.num_kv_heads}; pick a divisor of num_heads")
         if hq % 2:
             raise ConfigError(f"config qk head dim {hq} is odd; half-split RoPE needs an even qk_head_dim")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"config.rope_theta must be > 0, got {self.rope_theta}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ConfigError(f"config.pad_token_id={self.pad_token_id} is outside the vocabulary "
-                              f"[0, {self.vocab_size})")
         if self.out_vocab > self.vocab_size:
             raise ConfigError(f"config.out_vocab={self.out_vocab} exceeds vocab_size={self.vocab_size}; use at most "
                               "vocab_size (0: every row)")
-        if not self.engram_orders or min(self.engram_orders) < 1:
-            raise ConfigError(f"config.engram_orders={list(self.engram_orders)} must be a non-empty list of n-gram "
-                              "orders >= 1, e.g. [2, 3]")
-        if self.engram_sub_dim < 1:
-            raise ConfigError(f"config.engram_heads={self.engram_heads} with {len(self.engram_orders)} orders makes "
-                              f"{self.num_engram_tables} tables wider than d_model={self.d_model}; use fewer heads")
-        # Global layers past the stack are ignored, as upstream ignores them (the class default names layer 19).
-        outside = [i for i in self.engram_layers if not 0 <= i < self.num_layers]
-        if outside:
-            raise ConfigError(f"config.engram_layers={list(self.engram_layers)} has layer(s) {outside} outside the "
-                              f"{self.num_layers} layers (upstream asserts each < num_layers); use indices "
-                              f"0..{self.num_layers - 1}")
-        repeated = sorted({site for site in self.engram_layers if self.engram_layers.count(site) > 1})
-        if repeated:
-            raise ConfigError(f"config.engram_layers={list(self.engram_layers)} repeats layer(s) {repeated}; list each "
-                              "engram site once")
+        # Global layers past the stack are not refused: upstream ignores them (the class default names layer 19).
+        check_decoder(self)
         if self.ladder_order and sorted(self.ladder_order) != list(range(self.num_layers)):
             raise ConfigError(f"config.ladder_order={list(self.ladder_order)} is not a permutation of the "
                               f"{self.num_layers} layers; give each of 0..{self.num_layers - 1} once, or [] for the "
@@ -186,32 +165,8 @@ class TransformerConfig(FamilyConfig):
         return self.qk_head_dim or fallback, self.v_head_dim or fallback
 
     @property
-    def engram_heads_resolved(self) -> int:  # E
-        return self.engram_heads or max(1, self.d_model // (len(self.engram_orders) * ENGRAM_SUB_DIM))
-
-    @property
-    def num_engram_tables(self) -> int:  # N = |O|·E, table oi·E + e
-        return len(self.engram_orders) * self.engram_heads_resolved
-
-    @property
-    def engram_sub_dim(self) -> int:  # s
-        return self.d_model // self.num_engram_tables
-
-    @property
     def engram_seed_stride(self) -> int:  # σ: table (oi, e) hashes with seed 0x9E3779B9·(oi·σ + e + 1)
         return self.engram_seed_heads or self.engram_heads_resolved
-
-    @property
-    def engram_dilation(self) -> int:  # the value conv's dilation: max(O)
-        return max(self.engram_orders)
-
-    @property
-    def num_sites(self) -> int:  # G
-        return len(self.engram_layers)
-
-    @property
-    def hada_dim(self) -> int:  # P: the smallest power of two >= D
-        return 1 << (self.d_model - 1).bit_length()
 
     @property
     def hada_blocks(self) -> tuple[int, int]:  # (a, b) with a·b = P: the Monarch factors' sizes
@@ -223,27 +178,20 @@ class TransformerConfig(FamilyConfig):
 
     @property
     def kv_budget_window(self) -> int:
-        """Upstream's `kv_budget_window` (NEEDLE_V3.md §5): the positions an int8 cache fits into 11.5 MiB."""
+        """Upstream's `kv_budget_window` (NEEDLE_V3.md §5): the positions an int8 cache fits into 11.5 MiB; with a
+        sliding window, local layers and engram sites take their window first and global layers share the rest."""
         hq, hv = self.head_dims
-        kd, vd, d, L = self.num_kv_heads * hq, self.num_kv_heads * hv, self.d_model, self.num_layers
-        per_layer = kd + vd + (kd // KV_GROUP + vd // KV_GROUP) * 4
-        per_site = d + (d // KV_GROUP) * 4
-        if self.sliding_window:
-            n_global = len(self.global_layers)
-            local = min(self.sliding_window, self.max_seq_len)
-            fixed = ((L - n_global) * per_layer + self.num_sites * per_site) * local
-            if n_global == 0:
-                return self.max_seq_len if fixed <= KV_BUDGET_BYTES else max(KV_WINDOW_MIN, local)
-            ctx = (KV_BUDGET_BYTES - fixed) // (n_global * per_layer) // KV_GROUP * KV_GROUP
-            return max(KV_WINDOW_MIN, min(ctx, self.max_seq_len))
-        window = KV_BUDGET_BYTES // (L * per_layer + self.num_sites * per_site) // KV_GROUP * KV_GROUP
-        return max(KV_WINDOW_MIN, min(window, self.max_seq_len))
-
-    @property
-    def effective_kv_window(self) -> int:
-        """Upstream's `effective_kv_window` (the .cact header's): min(budget, kv_window), or the budget."""
-        budget = self.kv_budget_window
-        return min(budget, self.kv_window) if self.kv_window else budget
+        per_layer = int8_bytes(self.num_kv_heads * hq) + int8_bytes(self.num_kv_heads * hv)
+        per_site = self.num_sites * int8_bytes(self.d_model)
+        if not self.sliding_window:
+            return kv_budget(self.num_layers * per_layer + per_site, self.max_seq_len)
+        n_global = len(self.global_layers)
+        local = min(self.sliding_window, self.max_seq_len)
+        fixed = ((self.num_layers - n_global) * per_layer + per_site) * local
+        if n_global == 0:
+            return self.max_seq_len if fixed <= KV_BUDGET_BYTES else max(KV_WINDOW_MIN, local)
+        ctx = (KV_BUDGET_BYTES - fixed) // (n_global * per_layer) // KV_GROUP * KV_GROUP
+        return max(KV_WINDOW_MIN, min(ctx, self.max_seq_len))
 
 
 def hada_blocks(n: int) -> tuple[int, int]:
