@@ -10,6 +10,7 @@ at init) and the router's calibration vector (a leaf no module creates; only the
 from __future__ import annotations
 
 from convert.rules import Rule
+from convert.v2.mapping import engram, lanes  # Needle 3 keeps Needle 2's lane routing and engram tables
 from convert.v3.config import ENGRAM_TAPS, HADA_COND_RANK, TransformerConfig
 
 STACKS = {"L": ("stack", "num_layers")}
@@ -71,26 +72,6 @@ def block(config: TransformerConfig) -> list[Rule]:
     out += [rule("hadamard_mlp/cond_v", "hadamard_mlp.cond_v.weight", ("D", "r"), True),
             rule("hadamard_mlp/cond_u", "hadamard_mlp.cond_u.weight", ("r", "P"), True)]
     return out
-
-
-def lanes() -> list[Rule]:
-    """Layer i's lane routing: upstream keeps these on `stack` itself, stacked over layers."""
-    L = "stack.layers.{i}"
-    out = [Rule(f"stack/mhc_phi_{k}", f"{L}.phi_{k}.weight", ("nD", m), True, "L")
-           for k, m in (("pre", "n"), ("post", "n"), ("res", "nn"))]
-    out += [Rule(f"stack/mhc_b_{k}", f"{L}.b_{k}", s, False, "L") for k, s in
-            (("pre", ("n",)), ("post", ("n",)), ("res", ("n", "n")))]
-    out += [Rule(f"stack/mhc_a_{k}", f"{L}.a_{k}", (), False, "L") for k in ("pre", "post", "res")]
-    return out
-
-
-def engram(g: int) -> list[Rule]:
-    return [
-        Rule(f"engrams_{g}/embedding", f"engrams.{g}.embedding", ("N", "S", "s")),
-        Rule(f"engrams_{g}/key_proj/kernel", f"engrams.{g}.key_proj.weight", ("Ns", "D"), True),
-        Rule(f"engrams_{g}/value_proj/kernel", f"engrams.{g}.value_proj.weight", ("Ns", "D"), True),
-        Rule(f"engrams_{g}/taps", f"engrams.{g}.taps", ("taps", "D")),
-    ]
 
 
 def head(name: str) -> list[Rule]:
