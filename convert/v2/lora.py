@@ -149,7 +149,7 @@ def peft_alpha(scale: float, rank: int) -> float:
 # ----------------------------------------------------------------------------- checks
 
 
-def _check(adapter: Adapter, what: str, allow_untrained: bool = False) -> Adapter:
+def check_alone(adapter: Adapter, what: str, allow_untrained: bool = False) -> Adapter:
     """The adapter on its own: known targets, consistent shapes and rank, finite values, B not all zero."""
     if not adapter.lora:
         raise CheckpointError(f"{what}: the adapter has no targets; expected some of {', '.join(LORA_TARGETS)}")
@@ -241,7 +241,7 @@ def _expected(target: str, config: TransformerConfig) -> tuple[int, int, int]:
     return (config.num_layers, *(d[s] for s in rule.shape))
 
 
-def _delta_shape(ab: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
+def delta_shape(ab: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
     return (ab["A"].shape[0], ab["A"].shape[1], ab["B"].shape[2])
 
 
@@ -253,9 +253,9 @@ def _check_config(adapter: Adapter, config: TransformerConfig, what: str) -> Non
             f"{config.num_layers} (num_layers); use the base it was trained on (its 'base' is {adapter.base!r})")
     for target, ab in adapter.lora.items():
         want = _expected(target, config)
-        if _delta_shape(ab) != want:
+        if delta_shape(ab) != want:
             raise CheckpointError(
-                f"{what}: adapter/base shape mismatch at {target}: the adapter's A @ B is {list(_delta_shape(ab))}, "
+                f"{what}: adapter/base shape mismatch at {target}: the adapter's A @ B is {list(delta_shape(ab))}, "
                 f"the base's kernel is {list(want)} (d_model {config.d_model}, attn_dim {config.attn_dim}, "
                 f"kv width {config.kv_dim}); the adapter is for another base (its 'base' is {adapter.base!r})")
 
@@ -264,7 +264,7 @@ def check_adapter(adapter: Adapter, params: Mapping[str, Any], config: Transform
                   what: str = "LoRA adapter") -> None:
     """Everything that makes `needle build --lora` go wrong with this base: another base's shapes, targets on
     all-zero kernels (upstream never targets those), and a float16 merge that overflows (upstream issue #53)."""
-    _check(adapter, what, allow_untrained=True)
+    check_alone(adapter, what, allow_untrained=True)
     _check_config(adapter, config, what)
     flat = flatten_tree(params)
     for target in adapter.lora:
@@ -300,9 +300,9 @@ def merged_params(adapter: Adapter, params: Mapping[str, Any], what: str = "LoRA
         if target not in flat:
             raise CheckpointError(f"{what}: the base has no {target}; the adapter is for another model")
         shape = tuple(np.shape(flat[target]))
-        if shape != _delta_shape(ab):
+        if shape != delta_shape(ab):
             raise CheckpointError(f"{what}: adapter/base shape mismatch at {target}: the adapter's A @ B is "
-                                  f"{list(_delta_shape(ab))}, the base's kernel is {list(shape)}; the adapter is for "
+                                  f"{list(delta_shape(ab))}, the base's kernel is {list(shape)}; the adapter is for "
                                   f"another base (its 'base' is {adapter.base!r})")
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below, with its numbers
         merged = merge_lora(params, adapter.lora, adapter.scale)
@@ -349,7 +349,8 @@ def read_upstream_adapter(path: str | Path, *, allow_untrained: bool = False) ->
         scale = float(scale)
     if isinstance(rank, (numbers.Integral, np.integer)) and not isinstance(rank, bool):
         rank = int(rank)
-    return _check(Adapter(dict(obj["lora"]), scale, rank, obj["base"], **_late_fields(obj)), what, allow_untrained)
+    return check_alone(Adapter(dict(obj["lora"]), scale, rank, obj["base"], **_late_fields(obj)), what,
+                       allow_untrained)
 
 
 def upstream_dict(adapter: Adapter, base: str | None = None) -> dict[str, Any]:
@@ -372,7 +373,7 @@ def write_upstream_adapter(adapter: Adapter, dst: str | Path, *, base: str | Non
     base: the base checkpoint path to record (default: the adapter's own). Arrays are widened to float32
     exactly, as upstream's finetune keeps them."""
     dst = Path(dst)
-    _check(adapter, str(dst), allow_untrained=True)
+    check_alone(adapter, str(dst), allow_untrained=True)
     data = pickle.dumps(upstream_dict(adapter, base), protocol=PICKLE_PROTOCOL)  # our own plain data
     with atomic_output(dst, force=force) as tmp:
         tmp.write_bytes(data)
@@ -430,7 +431,7 @@ def write_peft(adapter: Adapter, config: TransformerConfig, dst: str | Path, *, 
     base_name: base_model_name_or_path to record (default: the adapter's 'base')."""
     dst = Path(dst)
     what = str(dst)
-    _check(adapter, what, allow_untrained=True)
+    check_alone(adapter, what, allow_untrained=True)
     _check_config(adapter, config, what)
     tensors = [Planned.of(name, array) for name, array in peft_tensors(adapter).items()]
     text = json.dumps(peft_config(adapter, base_name), indent=2, sort_keys=True) + "\n"  # PEFT's own layout
@@ -479,7 +480,7 @@ def read_peft(path: str | Path, *, allow_untrained: bool = False, num_layers: in
     if not isinstance(late, dict):
         raise CheckpointError(f"{what}/{PEFT_WEIGHTS}: its {PEFT_LATE_KEY!r} metadata is not a JSON object; the "
                               "file is damaged, re-convert the adapter")
-    return _check(dataclasses.replace(adapter, **_late_fields(late)), what, allow_untrained)
+    return check_alone(dataclasses.replace(adapter, **_late_fields(late)), what, allow_untrained)
 
 
 # Fields whose non-default value changes what the adapter computes in ways upstream's W + scale·A@B cannot
@@ -596,8 +597,8 @@ def from_peft_state(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any]
             raise CheckpointError(f"{what}: {target}'s widths differ between layers; the adapter is not for one model")
         lora[target] = {"A": np.stack(a_list), "B": np.stack(b_list)}  # (L, in, r), (L, r, out)
     base = config.get("base_model_name_or_path") or ""
-    return _check(Adapter(lora, next(iter(scales.values())), next(iter(ranks.values())), str(base)), what,
-                  allow_untrained)
+    return check_alone(Adapter(lora, next(iter(scales.values())), next(iter(ranks.values())), str(base)), what,
+                       allow_untrained)
 
 
 def _spread(values: Mapping[str, Any]) -> str:

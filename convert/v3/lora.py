@@ -133,7 +133,7 @@ def _check(adapter: Adapter, what: str, allow_untrained: bool = False) -> Adapte
             raise CheckpointError(f"{what}: 'rows' holds NaN or Inf values; the adapter is corrupt (a diverged run?), "
                                   "use another checkpoint of it")
     if not adapter.whistle:
-        v2._check(_as_v2(adapter), what, allow_untrained)
+        v2.check_alone(_as_v2(adapter), what, allow_untrained)
         return adapter
     for target, ab in adapter.lora.items():  # Whistle: its own targets
         if sorted(ab) != ["A", "B"]:
@@ -177,7 +177,7 @@ def _check_config(adapter: Adapter, config: TransformerConfig, what: str, base: 
             f"{config.num_layers} (num_layers; a ladder rung's adapter needs that rung as its base); {ours}")
     for target, ab in adapter.lora.items():
         want = _expected(target, config)
-        got = v2._delta_shape(ab)
+        got = v2.delta_shape(ab)
         if got != want:
             hq, hv = config.head_dims
             raise CheckpointError(
