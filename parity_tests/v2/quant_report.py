@@ -77,6 +77,13 @@ class QuantReport:
     checks: list[dict[str, Any]] = field(default_factory=list)
     passed: bool = True
     notes: list[str] = field(default_factory=list)
+    # Needle 3 sections (None where the family or run has none): the three-way table of deploy models, the cost
+    # of each deploy-numerics site, each ladder rung against the full float model, and the .cact's CQ records
+    # against this project's CQ of the float weights (rounding flips told apart).
+    deploy: dict[str, Any] | None = None
+    per_site: list[dict[str, Any]] | None = None
+    per_rung: list[dict[str, Any]] | None = None
+    cq_check: dict[str, Any] | None = None
     # The arrays behind the figures (logits, lane states, greedy tokens); never written to JSON.
     arrays: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -121,6 +128,10 @@ class QuantReport:
             "model": json_safe(self.model),
             "environment": json_safe(self.environment),
             "notes": list(self.notes),
+            "deploy": json_safe(self.deploy),
+            "per_site": json_safe(self.per_site),
+            "per_rung": json_safe(self.per_rung),
+            "cq_check": json_safe(self.cq_check),
         }
 
     @classmethod
@@ -145,6 +156,8 @@ class QuantReport:
                 model=dict(d.get("model") or {}), environment=dict(d.get("environment") or {}),
                 thresholds=Thresholds.from_dict(d["thresholds"]), checks=[dict(c) for c in d["checks"]],
                 passed=bool(d["passed"]), notes=[str(n) for n in d.get("notes", [])],
+                deploy=d.get("deploy"), per_site=d.get("per_site"), per_rung=d.get("per_rung"),
+                cq_check=d.get("cq_check"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ReportError(f"quantization report has a malformed field ({e!s}); the file may be truncated or "
