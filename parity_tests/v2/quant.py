@@ -44,13 +44,23 @@ from convert.mapping import flax_to_torch_numpy
 from convert.safe_pickle import load_file
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2 import FAMILY
-from convert.v2.bits import Bits, bits_for, canonical_name, check_bits, format_bits_map, parse_bits_map, unused_keys
+from convert.v2.bits import (
+    Bits,
+    bits_for,
+    canonical_name,
+    check_bits,
+    format_bits_map,
+    groups_along_input,
+    parse_bits_map,
+    unused_keys,
+)
 from convert.v2.cact import CQ, CactFile, read_cact, to_params
 from convert.v2.config import TransformerConfig
 from convert.v2.cq import cq_mixed_params, quant_leaf_names, width_of_record
 from convert.v2.lora import merge_lora
 from needle_torch.layers import TORCH_DTYPES
 from needle_torch.v2 import SimpleAttentionNetwork
+from parity_tests import cq_flips
 from parity_tests.devices import torch_device
 from parity_tests.inputs import Batch, InputError, as_token_array, check_sizes, check_tokens
 from parity_tests.metrics import cosine, log_softmax, max_rel, token_kl, topk_agreement
@@ -69,6 +79,7 @@ from parity_tests.v2.quant_report import (
 )
 
 DEFAULT_BATCH, DEFAULT_SEQ_LEN, DEFAULT_STEPS = 4, 32, 8
+CQ_CHECK_REL = 1e-5  # the project's float32 budget for a CQ group both builds quantised alike
 LOGITS_PATH = ("embedding/", "stack/", "engrams_")  # Flax prefixes the LM logits depend on (not MTP, not the heads)
 _ENGRAM = re.compile(r"engrams_(\d+)/")
 
@@ -644,8 +655,25 @@ def run_quant(float_params: Mapping[str, Any], config: TransformerConfig, *, cac
         quantized = dataclasses.replace(quantized, description={**quantized.description, "lora": lora_info},
                                         notes=notes)
     data = quant_batch(config, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed)
-    return compare(params32, quantized, config, data, steps=steps, device=device, dtype=dtype,
-                   thresholds=thresholds, model_info=model_info)
+    report = compare(params32, quantized, config, data, steps=steps, device=device, dtype=dtype,
+                     thresholds=thresholds, model_info=model_info)
+    if cact is not None:
+        report = dataclasses.replace(report, cq_check=cq_check(params32, quantized, config))
+    return report
+
+
+def cq_check(params32: Mapping[str, Any], quantized: Quantized, config: TransformerConfig) -> dict[str, Any]:
+    """The .cact's CQ leaves against this project's CQ of the float weights at the file's widths, group by group,
+    rounding flips told from real differences (parity_tests/cq_flips.py)."""
+    ours = flatten_tree(quantize_bits(params32, config, quantized.description["bits_map"]).params)
+    stacked = stacked_paths(config)
+    leaves = {p: (quantized.widths[tensor_name(p, 0 if p in stacked else None)], groups_along_input(p))
+              for p in quantized.cq_paths}
+    section = cq_flips.summarize(cq_flips.compare_trees(flatten_tree(params32), ours,
+                                                        flatten_tree(quantized.params), leaves), CQ_CHECK_REL)
+    section["what"] = ("each CQ record of the .cact against cq_quantize of the checkpoint's float weights (this "
+                       "project's), group by group: flips are groups one rounding step apart within float32 noise")
+    return section
 
 
 # ----------------------------------------------------------------------------- the command
