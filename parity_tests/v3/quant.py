@@ -592,7 +592,7 @@ def parse_bits(bits: str | None) -> float:
     return value
 
 
-def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, inputs: str | None = None,
+def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, inputs: Any = None,
           batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN, seed: int = 0, steps: int = DEFAULT_STEPS,
           depth: str | None = None, lora: str | None = None, json_path: str | None = None,
           html_path: str | None = None, force: bool = False, max_kld: float | None = None,
@@ -608,7 +608,7 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
         raise NeedleTwinError(f"--steps must be >= 0, got {steps}")
     torch_device(device)
     for option, path in (("FLOAT_CKPT", float_ckpt), ("--cact", cact), ("--inputs", inputs), ("--lora", lora)):
-        if path is not None and not Path(path).exists():
+        if isinstance(path, (str, os.PathLike)) and not Path(path).exists():
             raise NeedleTwinError(f"{option} {path}: no such file")
     check_outputs((json_path, html_path), force)
     ckpt = ckpt if ckpt is not None else read_checkpoint(float_ckpt)

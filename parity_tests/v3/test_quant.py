@@ -1,0 +1,334 @@
+"""Needle 3 quantization damage (parity_tests/v3/quant.py) against upstream's goldens: tests/data/v3/needle-v3-tiny
+(.safetensors, .cact, .npz: float, quant=True, subnetwork and greedy goldens; .cact.npz: logits of `read_export`'s
+tree with and without upstream's deploy numerics; README-v3.md). The direct computations are written here from the
+definitions (numpy, float64), never with the code under test. Relative error is max|Δ| / max|ref|.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import cli
+from convert.io import read_checkpoint
+from convert.trees import flatten_tree, unflatten_tree
+from convert.v2.cq import codebook, cq_hadamard, cq_quantize
+from convert.v3.cact import write_cact
+from parity_tests import flips
+from parity_tests.v2.quant_report import load_json
+from parity_tests.v3.quant import (
+    SITES,
+    build_model,
+    compare,
+    deploy_sites,
+    logits_of,
+    quant,
+    quant_batch,
+    read_cact_tree,
+    widen,
+)
+from tests.torch_threads import torch_threads
+from tests.v3.goldens import twin_quant_flips
+
+DATA = "tests/data/v3/"
+CKPT, CACT = DATA + "needle-v3-tiny.safetensors", DATA + "needle-v3-tiny.cact"
+GOLD = np.load(DATA + "needle-v3-tiny.npz")
+READ = np.load(DATA + "needle-v3-tiny.cact.npz")
+TOKENS = GOLD["tokens"]  # (3, 20): row 1 left-padded, row 2 right-padded; pad 0
+REAL = TOKENS != 0
+F32_REL = 1e-5  # the project's float32 budget (the torch twin against upstream's float32: measured 3.8e-7)
+ACCEPT_KL = 0.10  # the report's KL mean against the direct one: the acceptance bound (measured 1e-7 relative)
+
+
+def direct_kl(float_logits, quant_logits, real) -> np.ndarray:
+    """KL(p_float ‖ p_quant) per real position, float64 log-sum-exp written out."""
+    def log_softmax(x):
+        x = np.asarray(x, np.float64)[real]
+        m = x.max(-1, keepdims=True)
+        return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+    lf, lq = log_softmax(float_logits), log_softmax(quant_logits)
+    return (np.exp(lf) * (lf - lq)).sum(-1)
+
+
+def rel(a, ref) -> float:
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return read_checkpoint(CKPT)
+
+
+@pytest.fixture(scope="module")
+def params32(ckpt):
+    return widen(ckpt.params)
+
+
+@pytest.fixture(scope="module")
+def report(ckpt, params32):
+    """The fixture .cact against the fixture checkpoint on the fixture's tokens, every rung."""
+    cact = read_cact_tree(CACT, ckpt.config, params32)
+    return compare(params32, ckpt.config, quant_batch(ckpt.config, inputs=TOKENS), cact=cact, steps=3,
+                   depths=range(2, ckpt.config.num_layers + 1))
+
+
+# ----------------------------------------------------------------------------- against upstream's goldens
+
+
+def test_kl_mean_equals_the_direct_kl_of_upstreams_logits(report):
+    """Acceptance: the report's KL mean against the KL computed here from upstream's float logits and its logits of
+    the .cact as read (deploy numerics on, and off)."""
+    direct = direct_kl(GOLD["f32/logits"], READ["quant_logits"], REAL).mean()
+    assert abs(report.kld["mean"] - direct) <= ACCEPT_KL * direct, (report.kld["mean"], direct)
+    off = direct_kl(GOLD["f32/logits"], READ["logits"], REAL).mean()
+    got = report.deploy["models"]["cact_weights_only"]["kld_mean"]
+    assert abs(got - off) <= ACCEPT_KL * off, (got, off)
+    assert report.positions == {"real": int(REAL.sum()), "total": REAL.size}
+    assert report.kld["max"] == pytest.approx(direct_kl(GOLD["f32/logits"], READ["quant_logits"], REAL).max(),
+                                              rel=ACCEPT_KL)
+
+
+@pytest.mark.slow  # traces both twins' quant=True forward (the Flax one compiles with callbacks): ~35 s on 2 cores
+def test_logits_equal_upstreams_outside_rounding_flips(report, ckpt):
+    """Float logits at the float32 budget; the .cact's quant=True logits at the same budget outside the positions an
+    A8 rounding flip reached (found between the two twins' traces of that forward, parity_tests/flips.py)."""
+    assert rel(report.arrays["float_logits"], GOLD["f32/logits"]) <= F32_REL
+    config = ckpt.config.replace(dtype="float32")
+    tree = read_cact_tree(CACT, ckpt.config, widen(ckpt.params)).params
+    found = twin_quant_flips(config, tree, TOKENS)
+    assert found.ok, found.summary()
+    assert flips.masked_rel(report.arrays["quant_logits"], READ["quant_logits"], found.affected) <= F32_REL
+
+
+def test_deploy_sites_all_on_is_the_models_quant_and_none_on_its_float(ckpt, params32):
+    """deploy_sites only switches: every site on is the model's own quant=True bit for bit (which
+    tests/v3/test_torch_model.py holds to upstream's f32/quant_logits outside flips), none on its float forward."""
+    config = ckpt.config.replace(dtype="float32")
+    model = build_model(params32, config, torch.device("cpu"))
+    tokens = torch.as_tensor(TOKENS).long()
+    with torch.no_grad():
+        plain, plain_float = model(tokens, quant=True).numpy(), model(tokens).numpy()
+    assert np.array_equal(logits_of(model, tokens, True, SITES), plain)
+    assert np.array_equal(logits_of(model, tokens, True, ()), plain_float)
+    with torch.no_grad():
+        assert np.array_equal(model(tokens, quant=True).numpy(), plain)  # the wrappers are gone afterwards
+    with pytest.raises(Exception, match="unknown deploy site"), deploy_sites(("weights",)):
+        pass
+
+
+def test_cact_cq_records_equal_this_projects_cq(report):
+    c = report.cq_check
+    assert c["ok"] and c["divergent_groups"] == 0 and c["flips"] == 0 and c["groups"] > 0, c
+    assert len(c["per_tensor"]) == 24  # 21 CQ kernels / tables / φ leaves + the three heads' probes and query
+    assert report.quantized["cq_bits"] == [4]
+
+
+def test_rungs_against_upstreams_subnetwork_logits(report, ckpt, params32):
+    """The depth-3 float rung is upstream's subnetwork golden; the full-depth row is the headline."""
+    config = ckpt.config.replace(dtype="float32")
+    model = build_model(params32, config, torch.device("cpu"))
+    sub = logits_of(model, torch.as_tensor(TOKENS).long(), False, depth=3)
+    assert rel(sub, GOLD["f32/subnetwork_logits"]) <= F32_REL
+    rows = {r["depth"]: r for r in report.per_rung}
+    assert sorted(rows) == [2, 3, 4, 5] and rows[3]["layers"] == [0, 2, 4]  # README-v3: depth_layers
+    direct = direct_kl(GOLD["f32/logits"], GOLD["f32/subnetwork_logits"], REAL).mean()
+    assert rows[3]["float"]["kld_mean"] == pytest.approx(direct, rel=1e-3)  # logits agree to ~1e-6
+    assert rows[5]["float"]["kld_mean"] == 0 and rows[5]["cact"]["kld_mean"] == report.kld["mean"]
+    assert rows[5]["fake_quant"]["kld_mean"] == report.deploy["models"]["fake_quant"]["kld_mean"]
+    assert rows[2]["float"]["kld_mean"] > rows[4]["float"]["kld_mean"] > 0  # fewer layers, further from the model
+
+
+def test_greedy_float_tokens_equal_upstreams(ckpt, params32):
+    prompt = GOLD["prompt"]
+    r = compare(params32, ckpt.config, quant_batch(ckpt.config, inputs=prompt), steps=10)
+    assert r.arrays["float_tokens"].tolist() == GOLD["f32/greedy_tokens"].tolist()
+    assert r.greedy["steps"] == 10 and r.greedy["rows"] == 1
+
+
+# ----------------------------------------------------------------------------- sites, layers, tensors
+
+
+def test_each_site_costs_something_and_the_last_row_is_the_fake_quant(report):
+    rows = {r["site"]: r for r in report.per_site}
+    assert list(rows) == ["weights", *SITES]
+    assert rows["heads"]["cumulative"] == {k: v for k, v in report.deploy["models"]["fake_quant"].items()
+                                           if k != "what"}
+    for site in ("act", "routing", "query", "kv"):  # each reaches the logits on its own
+        assert rows[site]["alone"]["kld_mean"] > 0, site
+    assert rows["heads"]["alone"]["kld_mean"] == 0 and rows["heads"]["kld_mean_added"] == 0  # heads only
+    assert rows["heads"]["heads"] != rows["kv"]["heads"]  # ... where they move the heads' outputs
+    assert rows["weights"]["alone"] is None and rows["weights"]["sites_on"] == []
+
+
+def test_routing_is_the_mhc_input_and_act_the_rest(ckpt, params32):
+    """The routing site is the quantiser call an MHCLayer makes (one per layer); act is every other A8 call."""
+    config = ckpt.config.replace(dtype="float32")
+    model = build_model(params32, config, torch.device("cpu"))
+    tokens = torch.as_tensor(TOKENS).long()
+    counts = {}
+    for site in ("act", "routing"):
+        with flips.trace_torch(model) as calls, torch.no_grad(), deploy_sites((site,)):
+            model(tokens, quant=True)
+        counts[site] = [c.site.split(":")[0] for c in calls]
+    assert counts["routing"] == [f"stack.layers.{i}" for i in range(config.num_layers)]
+    assert counts["act"] and not any(s in counts["routing"] for s in counts["act"])
+
+
+def test_a_unit_alone_equals_an_independently_built_model(report, ckpt, params32):
+    """layer02 alone: the float tree with only layer 2's slices of the .cact's leaves, run with quant off."""
+    config = ckpt.config.replace(dtype="float32")
+    cact = flatten_tree(read_cact_tree(CACT, ckpt.config, params32).params)
+    flat = {k: np.array(v) for k, v in flatten_tree(params32).items()}
+    for path, a in flat.items():
+        if path.startswith("stack/") and not path.startswith("stack/final_norm") and a.shape[:1] == (5,):
+            a[2] = cact[path][2]
+    model = build_model(unflatten_tree(flat), config, torch.device("cpu"))
+    logits = logits_of(model, torch.as_tensor(TOKENS).long(), False)
+    row = next(r for r in report.per_layer if r["layer"] == "layer02")
+    assert row["kld_mean"] == pytest.approx(direct_kl(report.arrays["float_logits"], logits, REAL).mean(), rel=1e-9)
+    assert [r["layer"] for r in report.per_layer] == ["embedding", "layer00", "engram0", "layer01", "layer02",
+                                                      "engram1", "layer03", "layer04", "final_norm"]
+    assert all(r["state_rel_rms"] > 0 for r in report.per_layer)
+
+
+def test_sqnr_per_tensor(report, params32):
+    cact = flatten_tree(read_cact_tree(CACT, read_checkpoint(CKPT).config, params32).params)
+    t = next(t for t in report.per_tensor if t["name"] == "layer03.q_proj")
+    w = np.asarray(flatten_tree(params32)[t["param"]][3], np.float64)
+    q = np.asarray(cact[t["param"]][3], np.float64)
+    assert t["sqnr_db"] == pytest.approx(10 * np.log10((w**2).sum() / ((w - q) ** 2).sum()), rel=1e-12)
+    assert t["bits"] == 4 and t["layer"] == "layer03"
+    heads = [t for t in report.per_tensor if t["name"].startswith("router_head")]
+    assert {t["name"] for t in heads} == {"router_head.probes", "router_head.query", "router_head.proj"}
+    assert not any(t["logits_path"] for t in heads)
+
+
+def test_lora_is_merged_before_quantizing(ckpt):
+    """The float model is base + adapter as upstream merges it (its f32/lora_logits golden)."""
+    r = quant(CKPT, lora=DATA + "needle-v3-tiny.lora.safetensors", inputs=TOKENS, steps=0, ckpt=ckpt)
+    assert r.quantized["lora"]["path"].endswith("lora.safetensors")
+    assert rel(r.arrays["float_logits"], GOLD["f32/lora_logits"]) <= F32_REL
+    assert rel(r.arrays["float_logits"], GOLD["f32/logits"]) > 1e-3  # the adapter does change the model
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _run(*args):
+    return CliRunner().invoke(cli.app, ["quant", *args])
+
+
+def test_command_writes_sections_that_rescore(tmp_path):
+    j, h, r2 = tmp_path / "q.json", tmp_path / "q.html", tmp_path / "r.json"
+    res = _run(CKPT, "--cact", CACT, "--json", str(j), "--html", str(h), "--depth", "all", "--steps", "2",
+               "--batch", "2", "--seq-len", "12", "--quiet")
+    assert res.exit_code == 0, res.output
+    d = json.loads(j.read_text())
+    assert [r["site"] for r in d["per_site"]] == ["weights", *SITES]
+    assert [r["depth"] for r in d["per_rung"]] == [2, 3, 4, 5]
+    assert set(d["deploy"]["models"]) == {"fake_quant", "cact", "cact_weights_only", "cact_vs_fake_quant"}
+    assert d["cq_check"]["ok"] and d["model"]["family"] == "v3"
+    page = h.read_text()
+    assert page.count("<svg") >= 7 and "Per deploy-numerics site" in page and "Per ladder rung" in page
+    res = CliRunner().invoke(cli.app, ["rescore", str(j), "--max-kld", "1e-9", "--json", str(r2), "--quiet"])
+    assert res.exit_code == 1 and "FAILED" in res.output
+    again = json.loads(r2.read_text())
+    for key in ("deploy", "per_site", "per_rung", "cq_check", "kld"):
+        assert again[key] == d[key], key
+    assert load_json(r2).per_rung == d["per_rung"]
+    res = CliRunner().invoke(cli.app, ["rescore", str(j), "--max-kld", "1", "--quiet"])
+    assert res.exit_code == 0 and "HOLDS" in res.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--cact", "/work/shared/fixtures/needle-v2-tiny.q4.cact"], "Needle 2 file"),
+    (["--cact", DATA + "missing.cact"], "no such file"),
+    (["--cact", CACT, "--depth", "9"], "outside the ladder"),
+    (["--bits", "7"], "width of 1, 2, 3 or 4"),
+    (["--dtype", "bfloat16"], "float32 only"),
+])
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, args, words):
+    j = tmp_path / "q.json"
+    res = _run(CKPT, *args, "--json", str(j))
+    assert res.exit_code == 2 and words in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and not j.exists()
+
+
+def test_a_cact_of_another_model_is_refused(tmp_path):
+    j = tmp_path / "q.json"
+    res = _run(DATA + "mqa.safetensors", "--cact", CACT, "--json", str(j))
+    assert res.exit_code == 2 and "describes another model" in res.output and not j.exists()
+
+
+def test_a_cact_of_other_weights_is_refused(tmp_path, ckpt):
+    """Same geometry, other weights (every weight moved by 10 % of itself, as another training run's would be): most
+    CQ groups differ beyond rounding flips."""
+    flat = {k: np.asarray(v, np.float32) for k, v in flatten_tree(ckpt.params).items()}
+    rng = np.random.default_rng(0)
+    other = unflatten_tree({k: (v * (1 + 0.1 * rng.standard_normal(v.shape))).astype(np.float32)
+                            for k, v in flat.items()})
+    write_cact(other, ckpt.config, tmp_path / "other.cact")
+    j = tmp_path / "q.json"
+    res = _run(CKPT, "--cact", str(tmp_path / "other.cact"), "--json", str(j))
+    assert res.exit_code == 2 and "not exported from this checkpoint" in res.output, res.output
+    assert not j.exists()
+
+
+def test_a_cq_flip_in_the_cact_is_reported_and_the_rest_judged(tmp_path, ckpt, params32):
+    """A weight group of layer 1's q_proj (output row 5) moved so one rotated coordinate sits on a codebook midpoint;
+    the checkpoint holds it one nudge below, the .cact is written from it one nudge above: the report's cq_check
+    names that one flip and judges every other group (exactly equal), ok."""
+    path, layer, out_row = "stack/layers/block/self_attn/q_proj/kernel", 1, 5
+    flat = {k: np.array(a) for k, a in flatten_tree(params32).items()}
+    row = flat[path][layer, :, out_row].astype(np.float64)  # (in,): one CQ group (in = 64, zero-padded to 128)
+    width = row.size
+    h = np.sign(np.asarray(cq_hadamard(128), np.float64)) / np.sqrt(128)
+    cb = codebook(4, 128).astype(np.float64)
+    mids = (cb[:-1] + cb[1:]) / 2
+    u = np.pad(row, (0, 128 - width)) @ h / np.linalg.norm(row)
+    gap = np.abs(u[:, None] - mids[None, :])  # (g, 15)
+    j, m = np.unravel_index(np.argmin(gap), gap.shape)  # the coordinate nearest a midpoint: the smallest move
+    d = h[j, :width]  # moving w along d moves rotated coordinate j by (d·d) per unit
+
+    def make(t: int) -> np.ndarray:
+        w = row.copy()
+        for _ in range(4):  # Newton: rot_j(w) = (mid + t·2^-26)·‖w‖
+            rot_j, n = np.pad(w, (0, 128 - width)) @ h[:, j], np.linalg.norm(w)
+            w = w + ((mids[m] + t * 2.0**-26) * n - rot_j) / (d @ d) * d
+        return w.astype(np.float32)
+
+    pair = next((make(t), make(t + 1)) for t in range(-256, 256)
+                if not np.array_equal(cq_quantize(make(t)[None], 4), cq_quantize(make(t + 1)[None], 4)))
+    trees = []
+    for w in pair:
+        k = flat[path].copy()
+        k[layer, :, out_row] = w
+        trees.append(unflatten_tree({**flat, path: k}))
+    write_cact(trees[1], ckpt.config, tmp_path / "flip.cact")
+    cact = read_cact_tree(tmp_path / "flip.cact", ckpt.config, trees[0])
+    r = compare(trees[0], ckpt.config, quant_batch(ckpt.config, batch=2, seq_len=8), cact=cact, steps=0)
+    c = r.cq_check
+    assert c["ok"] and c["flips"] == 1 and c["divergent_groups"] == 0 and c["rel_outside_max"] == 0.0, c
+    (e,) = c["flip_events"]
+    assert (e["tensor"], e["kind"], e["coordinate"]) == (path, "code", j)
+    assert e["row"] == layer * flat[path].shape[2] + out_row and e["margin_ulps"] <= 1
+
+    # a real change in the same place: that layer's q_proj moved by ±1e-3 of itself, a real difference
+    k = flat[path].copy()
+    k[layer] *= 1 + 1e-3 * np.random.default_rng(0).choice([-1.0, 1.0], k[layer].shape)
+    write_cact(unflatten_tree({**flat, path: k.astype(np.float32)}), ckpt.config, tmp_path / "moved.cact")
+    r = compare(params32, ckpt.config, quant_batch(ckpt.config, batch=2, seq_len=8),
+                cact=read_cact_tree(tmp_path / "moved.cact", ckpt.config, params32), steps=0)
+    assert not r.cq_check["ok"] and r.cq_check["divergent_groups"] > 0
+    assert {e["tensor"] for e in r.cq_check["divergence_events"]} == {path}
