@@ -427,8 +427,8 @@ def rescore_command(
     Without options a parity report gets its own profile again. Exit code 0 / 1 / 2 as for `parity` and `quant`.
     """
     if _report_schema(report_path) == "needle-twin/quant-report":
-        from parity_tests.v2 import quant
-        from parity_tests.v2.quant_report import render_terminal, verdict_text
+        from parity_tests import quant
+        from parity_tests.quant_report import render_terminal, verdict_text
 
         if any(v is not None for v in (profile, rtol, atol, kl_max, grad_rtol)):
             raise NeedleTwinError("--profile, --rtol, --atol, --kl-max and --grad-rtol re-judge parity reports; a "
@@ -499,8 +499,8 @@ def quant_command(
     Needle 3: three-way, float / upstream's deploy fake-quant / the .cact as read, with the cost of each deploy
     site and, with --depth, of each ladder rung. Exit code 0, or 1 when a --max-kld / --min-top1 threshold fails,
     2 on bad input."""
+    from parity_tests.quant_report import render_terminal, verdict_text
     from parity_tests.v2 import quant
-    from parity_tests.v2.quant_report import render_terminal, verdict_text
 
     if _checkpoint_family(float_ckpt) == "v3":
         from parity_tests.v3 import quant as v3_quant

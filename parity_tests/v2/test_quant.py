@@ -53,7 +53,7 @@ from parity_tests.v2.quant import (
     unquantized,
     widen,
 )
-from parity_tests.v2.quant_report import (
+from parity_tests.quant_report import (
     SCHEMA,
     QuantReport,
     ReportError,
@@ -479,7 +479,7 @@ def test_json_round_trip(reports, tmp_path):
 
 def test_schema_doc_names_every_field(reports):
     """QUANT_SCHEMA.md documents every key the report writes (top level, per_layer, per_tensor, greedy, kld)."""
-    doc = open("parity_tests/v2/QUANT_SCHEMA.md", encoding="utf-8").read()
+    doc = open("parity_tests/QUANT_SCHEMA.md", encoding="utf-8").read()
     documented = set(re.findall(r"`([a-z_0-9]+)`", doc))
     d = _strict_json(to_json(reports["q4"]))
     keys = set(d) | set(d["per_layer"][0]) | set(d["per_tensor"][0]) | set(d["greedy"]) | set(d["kld"])

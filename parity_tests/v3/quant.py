@@ -3,7 +3,7 @@
 quantiser, CQ-4 heads) and the `.cact` as read (its tree with the same deploy numerics, what the engine computes).
 Torch only (no JAX); every figure counts real (non-pad) positions only.
 
-- the figures of parity_tests/v2/quant.py (KL mean ± s.e., median, p99, p99.9, max; same top-1; RMS Δp) for each
+- the figures of parity_tests/quant.py (KL mean ± s.e., median, p99, p99.9, max; same top-1; RMS Δp) for each
   quantized model against the float one, and the `.cact` against the fake-quant;
 - greedy decoding of the float and the judged model from the same prompts;
 - per attribution unit (embedding, each layer, each engram site, final_norm): the KL when only that unit's weights
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
 import os
-import platform
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,8 +48,16 @@ from parity_tests import cq_flips
 from parity_tests.devices import torch_device
 from parity_tests.inputs import Batch, InputError, as_token_array, check_sizes, check_tokens, read_token_file
 from parity_tests.outputs import check_outputs, write_outputs
-from parity_tests.v2.quant import greedy_figures, logit_figures, pinned_torch, prompt_ends, sqnr_db, state_error
-from parity_tests.v2.quant_report import QuantReport, Thresholds, render_html, score, to_json
+from parity_tests.quant import (
+    environment,
+    greedy_figures,
+    logit_figures,
+    pinned_torch,
+    prompt_ends,
+    sqnr_db,
+    state_error,
+)
+from parity_tests.quant_report import QuantReport, Thresholds, render_html, score, to_json
 
 DEFAULT_BATCH, DEFAULT_SEQ_LEN, DEFAULT_STEPS = 4, 32, 8
 BOS_ID, FIRST_PLAIN_ID = 2, 20  # ids 0-19 are PAD, EOS, BOS, UNK and the 16 chat markers
@@ -543,7 +549,7 @@ def compare(float_params: Mapping[str, Any], config: TransformerConfig, batch: B
                 "counted": "real (non-pad) positions only"},
         model={**dict(model_info or {}), "family": "v3", "config": config.to_dict(),
                "num_params": int(sum(np.size(a) for a in flatten_tree(float_params).values()))},
-        environment=_environment(dev), notes=notes, arrays=arrays,
+        environment=environment(dev, "float32"), notes=notes, arrays=arrays,
         deploy=deploy, per_site=per_site, per_rung=per_rung, cq_check=cq_check)
     return score(report, thresholds)
 
@@ -565,18 +571,6 @@ def cq_check_section(float_params: Mapping[str, Any], cact: CactTree) -> dict[st
     section["what"] = ("each CQ record of the .cact against cq_quantize of the checkpoint's float weights (this "
                        "project's), group by group: flips are groups one rounding step apart within float32 noise")
     return section
-
-
-def _environment(dev: torch.device) -> dict[str, Any]:
-    try:
-        version = importlib.metadata.version("needle-twin")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    return {"device": str(dev), "dtype": "float32", "precision": {
-                "pinned": True, "torch_float32_matmul_precision": "highest", "tf32": False},
-            "versions": {"python": sys.version.split()[0], "needle-twin": version, "numpy": np.__version__,
-                         "torch": torch.__version__},
-            "platform": platform.platform(), "machine": platform.machine(), "torch_threads": torch.get_num_threads()}
 
 
 def parse_bits(bits: str | None) -> float:

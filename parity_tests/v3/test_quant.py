@@ -19,7 +19,7 @@ from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.cq import codebook, cq_hadamard, cq_quantize
 from convert.v3.cact import write_cact
 from parity_tests import flips
-from parity_tests.v2.quant_report import load_json
+from parity_tests.quant_report import load_json
 from parity_tests.v3.quant import (
     SITES,
     build_model,

@@ -1,8 +1,8 @@
 """The quantization-parity report: data, judging against thresholds, JSON round trip, re-scoring, terminal and HTML.
 
-`parity_tests.v2.quant` computes it; this module only holds, judges and renders it, so a fresh
-run and a re-scored JSON are judged by one rule (`score`). The JSON schema is documented in
-parity_tests/v2/QUANT_SCHEMA.md; `SCHEMA_VERSION` changes when it does.
+`parity_tests.v2.quant` and `parity_tests.v3.quant` compute it; this module only holds, judges and
+renders it, so a fresh run and a re-scored JSON are judged by one rule (`score`). The JSON schema is
+documented in parity_tests/QUANT_SCHEMA.md; `SCHEMA_VERSION` changes when it does.
 
 The verdict: passed unless a given threshold fails (`max_kld` on one KL statistic, by default
 the mean; `min_top1` on the same-top-1 rate). Without thresholds a report always passes: it
