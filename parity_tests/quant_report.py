@@ -537,8 +537,9 @@ def deploy_lines(report: QuantReport) -> list[str]:
     for name, m in (report.deploy or {}).get("models", {}).items():
         lines.append(f"{name}: KL mean {fmt(m.get('kld_mean'))}, same top-1 {fmt(m.get('same_top1'), 'pct')}")
     for r in report.per_site or []:
+        alone = f"; alone {fmt(r['alone'].get('kld_mean'))}" if r.get("alone") else ""
         lines.append(f"site {r['site']}: KL mean {fmt(r['cumulative'].get('kld_mean'))} (added "
-                     f"{fmt(r.get('kld_mean_added'))}; alone {fmt((r.get('alone') or {}).get('kld_mean'))})")
+                     f"{fmt(r.get('kld_mean_added'))}{alone})")
     for r in report.per_rung or []:
         cells = ", ".join(f"{k} {fmt(v.get('kld_mean'))}" for k, v in r.items()
                           if isinstance(v, dict) and not k.endswith("_quant_cost"))

@@ -391,8 +391,11 @@ def attribute(fmodel: SimpleAttentionNetwork, tokens: torch.Tensor, real: np.nda
         tensors = [t for t in per_tensor if t["layer"] == unit]
         dbs = [t["sqnr_db"] for t in tensors if t["sqnr_db"] is not None]
         err = state_error(q_caps[unit], f_caps[unit], real) if unit in f_caps else {}
+        kind = unit.rstrip("0123456789")
+        index = int(unit[len(kind):]) if unit[len(kind):] else None
         rows.append({
-            "layer": unit, "kind": unit.rstrip("0123456789") or unit,
+            "layer": unit, "kind": kind, "index": index,
+            "site_layer": config.engram_layers[index] if kind == "engram" else None,
             "tensors": [t["name"] for t in tensors], "bits": sorted({t["bits"] for t in tensors}),
             "other_params": [k for k in keys if tensor_name(*where[k]) not in {t["name"] for t in tensors}],
             "sqnr_db_min": min(dbs) if dbs else None,
@@ -400,7 +403,7 @@ def attribute(fmodel: SimpleAttentionNetwork, tokens: torch.Tensor, real: np.nda
             "kld_max": figs["kld"]["max"] if figs else 0.0,
             "kld_share": (figs["kld"]["mean"] if figs else 0.0) / total if total else None,
             "same_top1": figs["same_top1"] if figs else 1.0, "rms_dp": figs["rms_dp"] if figs else 0.0,
-            "state": _STATE_WORDS.get(unit.rstrip("0123456789"), unit),
+            "state": _STATE_WORDS.get(kind, unit),
             "state_rel_rms": err.get("rel_rms"), "state_max_abs": err.get("max_abs"), "state_cos": err.get("cos"),
         })
     summary = {"units": len(members), "weights_only_kld_mean": total,

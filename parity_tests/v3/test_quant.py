@@ -19,7 +19,7 @@ from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.cq import codebook, cq_hadamard, cq_quantize
 from convert.v3.cact import write_cact
 from parity_tests import flips
-from parity_tests.quant_report import load_json
+from parity_tests.quant_report import load_json, to_json
 from parity_tests.v3.quant import (
     SITES,
     build_model,
@@ -249,6 +249,21 @@ def test_command_writes_sections_that_rescore(tmp_path):
     assert load_json(r2).per_rung == d["per_rung"]
     res = CliRunner().invoke(cli.app, ["rescore", str(j), "--max-kld", "1", "--quiet"])
     assert res.exit_code == 0 and "HOLDS" in res.output
+
+
+def test_schema_doc_names_every_field(report):
+    """parity_tests/QUANT_SCHEMA.md documents every key the Needle 3 sections write."""
+    import re
+
+    doc = open("parity_tests/QUANT_SCHEMA.md", encoding="utf-8").read()
+    documented = set(re.findall(r"`([a-z_0-9]+)`", doc))
+    d = json.loads(to_json(report))
+    keys = set(d) | set(d["deploy"]) | set(d["deploy"]["models"]) | set(d["deploy"]["models"]["cact"])
+    keys |= set(d["per_site"][1]) | set(d["per_site"][1]["cumulative"]) | set(d["per_rung"][0])
+    keys |= set(d["cq_check"]) | set(d["cq_check"]["per_tensor"][0]) | set(d["per_layer"][0])
+    keys |= set(d["per_tensor"][0]) | set(d["quantized"]) | set(d["quantized"]["deploy"]) | set(d["model"])
+    keys |= {k for row in d["per_site"] for h in row["heads"].values() for k in h}
+    assert keys - documented == set()
 
 
 @pytest.mark.parametrize("args, words", [
