@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from convert.errors import ConfigError
+from parity_tests.devices import DeviceError, torch_device
 from parity_tests.inputs import InputError
 from parity_tests.metrics import cosine, log_softmax, max_rel, token_kl, topk_agreement
 from parity_tests.outputs import check_outputs, write_outputs
@@ -124,6 +126,31 @@ def environment(dev: torch.device, dtype: str) -> dict[str, Any]:
             "platform": platform.platform(), "machine": platform.machine(), "torch_threads": torch.get_num_threads()}
 
 
+def quant_device(name: str) -> torch.device:
+    """torch_device, its errors naming the quant command's own option (--device)."""
+    try:
+        return torch_device(name)
+    except DeviceError as e:
+        raise DeviceError(str(e).replace("--torch-device", "--device")) from None
+
+
+# ----------------------------------------------------------------------------- a .cact of other weights
+
+# Fraction of a .cact's CQ groups that may differ beyond rounding flips from this checkpoint's CQ before the file is
+# taken for another checkpoint's (exit 2): a build of this one differs in none (every fixture: 0), a build of other
+# weights in nearly all; between the two the file is this checkpoint's and the report fails (exit 1).
+MAX_FOREIGN_GROUPS = 0.5
+
+
+def refuse_foreign_cact(section: dict[str, Any], path: Any) -> dict[str, Any]:
+    """The cq_check section, unless most of the .cact's groups differ from this checkpoint's CQ: refused."""
+    if section["groups"] and section["divergent_groups"] > MAX_FOREIGN_GROUPS * section["groups"]:
+        raise ConfigError(f"{path}: {section['divergent_groups']} of its {section['groups']} CQ groups differ from "
+                          "this checkpoint's CQ beyond rounding flips: it was not exported from this checkpoint (or "
+                          "from it with a LoRA adapter: give --lora); give the matching .cact")
+    return section
+
+
 # ----------------------------------------------------------------------------- re-scoring
 
 
@@ -138,5 +165,5 @@ def rescore_file(report_path: str, *, json_path: str | None = None, html_path: s
     return new
 
 
-__all__ = ["environment", "greedy_figures", "kld_stats", "logit_figures", "pinned_torch", "prompt_ends",
-           "rescore_file", "sqnr_db", "state_error"]
+__all__ = ["MAX_FOREIGN_GROUPS", "environment", "greedy_figures", "kld_stats", "logit_figures", "pinned_torch",
+           "prompt_ends", "quant_device", "refuse_foreign_cact", "rescore_file", "sqnr_db", "state_error"]

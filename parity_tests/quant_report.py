@@ -5,8 +5,9 @@ renders it, so a fresh run and a re-scored JSON are judged by one rule (`score`)
 documented in parity_tests/QUANT_SCHEMA.md; `SCHEMA_VERSION` changes when it does.
 
 The verdict: passed unless a given threshold fails (`max_kld` on one KL statistic, by default
-the mean; `min_top1` on the same-top-1 rate). Without thresholds a report always passes: it
-describes the damage, it does not judge it.
+the mean; `min_top1` on the same-top-1 rate) or a `.cact`'s CQ records differ from this project's
+CQ of the checkpoint beyond rounding flips (`cq_check`). Without thresholds and without a `.cact`
+a report always passes: it describes the damage, it does not judge it.
 """
 
 from __future__ import annotations
@@ -188,6 +189,10 @@ def score(report: QuantReport, thresholds: Thresholds) -> QuantReport:
         value = report.same_top1
         checks.append({"name": "same_top1", "value": value, "op": ">=", "threshold": thresholds.min_top1,
                        "passed": value is not None and math.isfinite(value) and value >= thresholds.min_top1})
+    if report.cq_check is not None:  # a .cact whose CQ is not this checkpoint's fails whatever the thresholds
+        c = report.cq_check
+        checks.append({"name": "cq_check", "value": c.get("divergent_groups"), "op": "==", "threshold": 0,
+                       "passed": bool(c.get("ok"))})
     return dataclasses.replace(report, thresholds=thresholds, checks=checks, passed=all(c["passed"] for c in checks))
 
 
@@ -289,9 +294,20 @@ def verdict_text(report: QuantReport) -> str:
         return "REPORTED (no thresholds given)"
     failed = [c for c in report.checks if not c["passed"]]
     if not failed:
-        return f"QUANT PARITY HOLDS ({describe_thresholds(report.thresholds)})"
-    return "QUANT PARITY FAILED: " + "; ".join(
-        f"{c['name']} {fmt(c['value'])} not {c['op']} {c['threshold']:g}" for c in failed)
+        held = describe_thresholds(report.thresholds)
+        if report.cq_check is not None:
+            flips = report.cq_check.get("flips")
+            held = f"{held}; the .cact's CQ is this checkpoint's outside {flips} rounding flip(s)"
+        return f"QUANT PARITY HOLDS ({held})"
+    return "QUANT PARITY FAILED: " + "; ".join(_failure(c, report.cq_check) for c in failed)
+
+
+def _failure(check: Mapping[str, Any], cq: Mapping[str, Any] | None) -> str:
+    if check["name"] == "cq_check" and cq is not None:
+        return (f"the .cact's CQ records differ from this checkpoint's CQ in {cq.get('divergent_groups')} group(s) "
+                f"beyond rounding flips (judged error {fmt(cq.get('rel_outside_max'))}, budget "
+                f"{fmt(cq.get('budget_rel'))})")
+    return f"{check['name']} {fmt(check['value'])} not {check['op']} {check['threshold']:g}"
 
 
 def render_terminal(report: QuantReport, console=None, top_tensors: int = 8) -> None:

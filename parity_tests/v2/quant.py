@@ -56,7 +56,6 @@ from convert.v2.lora import merge_lora
 from needle_torch.layers import TORCH_DTYPES
 from needle_torch.v2 import SimpleAttentionNetwork
 from parity_tests import cq_flips
-from parity_tests.devices import torch_device
 from parity_tests.inputs import Batch, InputError, as_token_array, check_sizes, check_tokens
 from parity_tests.outputs import check_outputs, write_outputs
 from parity_tests.quant import (
@@ -66,6 +65,8 @@ from parity_tests.quant import (
     logit_figures,
     pinned_torch,
     prompt_ends,
+    quant_device,
+    refuse_foreign_cact,
     rescore_file,
     sqnr_db,
     state_error,
@@ -458,8 +459,10 @@ def attribute(run: _Run, f_state: Mapping[str, np.ndarray], q_state: Mapping[str
 
 def compare(float_params: Mapping[str, Any], quantized: Quantized, config: TransformerConfig, batch: Batch, *,
             steps: int = DEFAULT_STEPS, device: str = "cpu", dtype: str = "float32",
-            thresholds: Thresholds = Thresholds(), model_info: Mapping[str, Any] | None = None) -> QuantReport:
-    """The float model (float32 Flax tree) against `quantized` on `batch`; the judged report (see the module doc).
+            thresholds: Thresholds = Thresholds(), model_info: Mapping[str, Any] | None = None,
+            cq_check: dict[str, Any] | None = None) -> QuantReport:
+    """The float model (float32 Flax tree) against `quantized` on `batch`; the judged report (see the module doc),
+    with `cq_check` (a .cact's CQ against this checkpoint's) judged too.
 
     Attribution: a unit is every logits-path parameter of one layer (or of the embedding, an engram site, ...)
     that differs between the two trees; "alone" means the float model with only those tensors swapped in.
@@ -468,7 +471,7 @@ def compare(float_params: Mapping[str, Any], quantized: Quantized, config: Trans
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
     if steps < 0:
         raise NeedleTwinError(f"--steps must be >= 0, got {steps}")
-    dev = torch_device(device)
+    dev = quant_device(device)
     pad = config.pad_token_id
     tokens_np = np.asarray(batch.tokens)
     real = tokens_np != pad  # (B, T)
@@ -508,7 +511,7 @@ def compare(float_params: Mapping[str, Any], quantized: Quantized, config: Trans
                 "counted": "real (non-pad) positions only"},
         model={**dict(model_info or {}), "config": config.to_dict(),
                "num_params": int(sum(np.size(a) for a in flatten_tree(float_params).values()))},
-        environment=environment(dev, dtype), notes=notes, arrays=arrays)
+        environment=environment(dev, dtype), notes=notes, arrays=arrays, cq_check=cq_check)
     return score(report, thresholds)
 
 
@@ -566,22 +569,23 @@ def run_quant(float_params: Mapping[str, Any], config: TransformerConfig, *, cac
         quantized = dataclasses.replace(quantized, description={**quantized.description, "lora": lora_info},
                                         notes=notes)
     data = quant_batch(config, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed)
-    report = compare(params32, quantized, config, data, steps=steps, device=device, dtype=dtype,
-                     thresholds=thresholds, model_info=model_info)
-    if cact is not None:
-        report = dataclasses.replace(report, cq_check=cq_check(params32, quantized, config))
-    return report
+    # a .cact of other weights is refused before any model runs
+    check = None if cact is None else cq_check(params32, quantized, config)
+    return compare(params32, quantized, config, data, steps=steps, device=device, dtype=dtype,
+                   thresholds=thresholds, model_info=model_info, cq_check=check)
 
 
 def cq_check(params32: Mapping[str, Any], quantized: Quantized, config: TransformerConfig) -> dict[str, Any]:
     """The .cact's CQ leaves against this project's CQ of the float weights at the file's widths, group by group,
-    rounding flips told from real differences (parity_tests/cq_flips.py)."""
+    rounding flips told from real differences (parity_tests/cq_flips.py); a file most of whose groups differ was
+    exported from other weights: refused."""
     ours = flatten_tree(quantize_bits(params32, config, quantized.description["bits_map"]).params)
     stacked = stacked_paths(config)
     leaves = {p: (quantized.widths[tensor_name(p, 0 if p in stacked else None)], groups_along_input(p))
               for p in quantized.cq_paths}
-    section = cq_flips.summarize(cq_flips.compare_trees(flatten_tree(params32), ours,
-                                                        flatten_tree(quantized.params), leaves), CQ_CHECK_REL)
+    section = refuse_foreign_cact(cq_flips.summarize(cq_flips.compare_trees(
+        flatten_tree(params32), ours, flatten_tree(quantized.params), leaves), CQ_CHECK_REL),
+        quantized.description.get("cact"))
     section["what"] = ("each CQ record of the .cact against cq_quantize of the checkpoint's float weights (this "
                        "project's), group by group: flips are groups one rounding step apart within float32 noise")
     return section
@@ -605,7 +609,7 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
     Thresholds(max_kld, min_top1, kld_stat)
     if dtype not in TORCH_DTYPES:
         raise NeedleTwinError(f"--dtype {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
-    torch_device(device)
+    quant_device(device)
     if steps < 0:
         raise NeedleTwinError(f"--steps must be >= 0, got {steps}")
     if inputs is None:
@@ -617,7 +621,7 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
     ckpt = read_checkpoint(float_ckpt)
     if not isinstance(ckpt.config, TransformerConfig):
         raise NeedleTwinError(f"{float_ckpt} is a {ckpt.family.title} checkpoint; quantization parity is for "
-                              "Needle 2 (.cact / CQ)")
+                              "Needle 2 and Needle 3 (.cact / CQ): give one of theirs")
     report = run_quant(ckpt.params, ckpt.config, cact=cact, bits=bits, inputs=inputs, seq_len=seq_len, batch=batch,
                        seed=seed, steps=steps, lora=lora, device=device, dtype=dtype, max_kld=max_kld,
                        min_top1=min_top1, kld_stat=kld_stat,

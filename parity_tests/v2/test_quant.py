@@ -24,7 +24,9 @@ import pytest
 import scipy.special
 import torch
 from rich.console import Console
+from typer.testing import CliRunner
 
+import cli
 from convert.atomic import OutputExistsError
 from convert.errors import ConfigError, NeedleTwinError
 from convert.io import read_checkpoint
@@ -39,6 +41,17 @@ from convert.v2.lora import merge_lora
 from needle_torch.v2 import SimpleAttentionNetwork
 from parity_tests.cq_flips import compare_cq, group_view
 from parity_tests.inputs import Batch, InputError
+from parity_tests.quant_report import (
+    SCHEMA,
+    QuantReport,
+    ReportError,
+    load_json,
+    render_html,
+    render_terminal,
+    rescore,
+    to_json,
+    verdict_text,
+)
 from parity_tests.v2.quant import (
     LOGITS_PATH,
     compare,
@@ -53,16 +66,7 @@ from parity_tests.v2.quant import (
     unquantized,
     widen,
 )
-from parity_tests.quant_report import (
-    SCHEMA,
-    QuantReport,
-    ReportError,
-    load_json,
-    render_html,
-    render_terminal,
-    rescore,
-    to_json,
-)
+from tests.cq_boundary import straddle
 
 torch.set_float32_matmul_precision("highest")  # float32 parity: no reduced-precision matmul passes
 
@@ -439,6 +443,51 @@ def test_refusals(ckpt, params32, tmp_path):
         run_quant(params32, ckpt.config, cact=path, inputs=TOKENS)
 
 
+def _with_row(params32, path: str, layer: int, out_row: int, w: np.ndarray) -> dict:
+    flat = {k: np.array(a) for k, a in flatten_tree(params32).items()}
+    flat[path][layer, :, out_row] = w
+    return unflatten_tree(flat)
+
+
+def test_a_cq_flip_in_the_cact_is_reported_and_a_real_difference_fails(ckpt, params32, tmp_path):
+    """A weight group of layer 2's q_proj (output row 7) placed on a CQ rounding boundary (tests/cq_boundary.py):
+    the checkpoint holds it one nudge below, the .cact is written from it one nudge above. The report names that one
+    flip, judges every other group (exactly equal) and passes; the same group moved by ±1e-3 of itself (~10^4
+    float32 steps) is a real difference and the report fails (exit 1)."""
+    path, layer, out_row = "stack/layers/block/self_attn/q_proj/kernel", 2, 7
+    row = flatten_tree(params32)[path][layer, :, out_row]  # (in,): one CQ group (in = 64, zero-padded to 128)
+    below, above, j = straddle(row)
+    cact.write_cact(_with_row(params32, path, layer, out_row, above), ckpt.config, tmp_path / "flip.cact", bits=4)
+    r = run_quant(_with_row(params32, path, layer, out_row, below), ckpt.config, cact=tmp_path / "flip.cact",
+                  batch=2, seq_len=8, steps=0)
+    c = r.cq_check
+    assert c["ok"] and c["flips"] == 1 and c["divergent_groups"] == 0 and c["rel_outside_max"] == 0.0, c
+    (e,) = c["flip_events"]
+    assert (e["tensor"], e["kind"], e["coordinate"]) == (path, "code", j) and e["margin_ulps"] <= 1
+    assert e["row"] == layer * flatten_tree(params32)[path].shape[2] + out_row  # the (L·out, in) group view
+    assert r.passed and r.exit_code == 0
+
+    moved = (row * (1 + 1e-3 * np.random.default_rng(0).choice([-1.0, 1.0], row.shape))).astype(np.float32)
+    cact.write_cact(_with_row(params32, path, layer, out_row, moved), ckpt.config, tmp_path / "moved.cact", bits=4)
+    r = run_quant(params32, ckpt.config, cact=tmp_path / "moved.cact", batch=2, seq_len=8, steps=0)
+    assert not r.cq_check["ok"] and [e["tensor"] for e in r.cq_check["divergence_events"]] == [path]
+    assert not r.passed and r.exit_code == 1 and [c["name"] for c in r.checks if not c["passed"]] == ["cq_check"]
+    assert "differ from this checkpoint's CQ in 1 group" in verdict_text(r)
+
+
+def test_a_cact_of_other_weights_is_refused(ckpt, params32, tmp_path):
+    """Same geometry, other weights (each moved by 10 % of itself, as another training run's): most CQ groups
+    differ beyond rounding flips, so the file is refused before any model runs (exit 2, nothing written)."""
+    rng = np.random.default_rng(0)
+    other = unflatten_tree({k: (a * (1 + 0.1 * rng.standard_normal(a.shape))).astype(np.float32)
+                            for k, a in flatten_tree(params32).items()})
+    cact.write_cact(other, ckpt.config, tmp_path / "other.cact", bits=4)
+    out = tmp_path / "q.json"
+    r = CliRunner().invoke(cli.app, ["quant", CKPT, "--cact", str(tmp_path / "other.cact"), "--json", str(out)])
+    assert r.exit_code == 2 and "not exported from this checkpoint" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not out.exists()
+
+
 def test_imports_no_jax():
     code = "import sys, parity_tests.v2.quant; assert 'jax' not in sys.modules and 'flax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -493,14 +542,16 @@ def test_rescore(reports, tmp_path):
     saved = load_json(path)
     kl, top1 = saved.kld["mean"], saved.same_top1
     ok = rescore(saved, max_kld=kl * 1.01, min_top1=top1)
-    assert ok.passed and ok.exit_code == 0 and [c["passed"] for c in ok.checks] == [True, True]
+    assert ok.passed and ok.exit_code == 0 and [c["passed"] for c in ok.checks] == [True, True, True]
+    assert [c["name"] for c in ok.checks] == ["kld.mean", "same_top1", "cq_check"]  # the .cact's CQ stays judged
     bad = rescore(saved, max_kld=kl * 0.99)
     assert not bad.passed and bad.exit_code == 1 and bad.checks[0]["name"] == "kld.mean"
     assert not rescore(saved, min_top1=min(1.0, top1 + 0.01)).passed
     assert rescore(saved, max_kld=saved.kld["max"], kld_stat="max").passed
     assert not rescore(saved, max_kld=saved.kld["max"] * 0.99, kld_stat="max").passed
     unjudged = rescore(bad)
-    assert unjudged.passed and unjudged.checks == [] and "re-scored" in unjudged.notes[-1]
+    assert unjudged.passed and [c["name"] for c in unjudged.checks] == ["cq_check"]
+    assert "re-scored" in unjudged.notes[-1]
     assert bad.kld == saved.kld and bad.per_layer == saved.per_layer  # figures untouched
     for kwargs in ({"max_kld": -1}, {"min_top1": 1.5}, {"max_kld": 1, "kld_stat": "stderr"}):
         with pytest.raises(ReportError):

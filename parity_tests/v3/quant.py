@@ -45,7 +45,6 @@ from convert.v3.lora import check_adapter, merged_params, read_adapter
 from needle_torch.v3 import SimpleAttentionNetwork
 from needle_torch.v3 import model as torch_model
 from parity_tests import cq_flips
-from parity_tests.devices import torch_device
 from parity_tests.inputs import Batch, InputError, as_token_array, check_sizes, check_tokens, read_token_file
 from parity_tests.outputs import check_outputs, write_outputs
 from parity_tests.quant import (
@@ -54,6 +53,8 @@ from parity_tests.quant import (
     logit_figures,
     pinned_torch,
     prompt_ends,
+    quant_device,
+    refuse_foreign_cact,
     sqnr_db,
     state_error,
 )
@@ -66,9 +67,6 @@ SITES = ("act", "routing", "query", "kv", "heads")
 SITE_TITLES = {"weights": "CQ weights only", "act": "+ A8 activations (attention in/out, engram e, pre-logit x)",
                "routing": "+ A8 routing input (mHC x̂)", "query": "+ per-head A8 query", "kv": "+ KV quantiser",
                "heads": "+ CQ-4 head matrices (head outputs only)"}
-# Fraction of a .cact's CQ groups that may differ beyond rounding flips from this checkpoint's CQ before the file is
-# taken for another checkpoint's: a build of this one differs in none (the fixtures: 0 of 3,904).
-MAX_FOREIGN_GROUPS = 0.5
 CQ_CHECK_REL = 1e-5  # the project's float32 budget for a CQ group both builds quantised alike
 _HEADS = ("embedding_head", "confidence_head", "router_head")
 _SAME_MODEL = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "num_layers", "qk_head_dim", "v_head_dim",
@@ -483,7 +481,7 @@ def compare(float_params: Mapping[str, Any], config: TransformerConfig, batch: B
             lora_info: Mapping[str, Any] | None = None, cq_check: dict[str, Any] | None = None) -> QuantReport:
     """The float model against upstream's deploy fake-quant and (given) the `.cact`; the judged report. The judged
     model (headline figures, greedy, per layer, per tensor) is the `.cact` when given, else the fake-quant."""
-    dev = torch_device(device)
+    dev = quant_device(device)
     config = dataclasses.replace(config, dtype="float32")
     pad = config.pad_token_id
     tokens_np = np.asarray(batch.tokens)
@@ -566,11 +564,7 @@ def cq_check_section(float_params: Mapping[str, Any], cact: CactTree) -> dict[st
         w = cq_flips.group_view(f_flat[path], along)
         comparisons.append(cq_flips.compare_cq(w, cq_quantize(w, bits), cq_flips.group_view(c_flat[path], along),
                                                bits, name=path))
-    section = cq_flips.summarize(comparisons, CQ_CHECK_REL)
-    if section["groups"] and section["divergent_groups"] > MAX_FOREIGN_GROUPS * section["groups"]:
-        raise ConfigError(f"{cact.description['cact']}: {section['divergent_groups']} of its {section['groups']} CQ "
-                          "groups differ from this checkpoint's CQ beyond rounding flips: it was not exported from "
-                          "this checkpoint (or from it with a LoRA adapter: give --lora); give the matching .cact")
+    section = refuse_foreign_cact(cq_flips.summarize(comparisons, CQ_CHECK_REL), cact.description["cact"])
     section["what"] = ("each CQ record of the .cact against cq_quantize of the checkpoint's float weights (this "
                        "project's), group by group: flips are groups one rounding step apart within float32 noise")
     return section
@@ -603,7 +597,7 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
     width = parse_bits(bits)
     if steps < 0:
         raise NeedleTwinError(f"--steps must be >= 0, got {steps}")
-    torch_device(device)
+    quant_device(device)
     for option, path in (("FLOAT_CKPT", float_ckpt), ("--cact", cact), ("--inputs", inputs), ("--lora", lora)):
         if isinstance(path, (str, os.PathLike)) and not Path(path).exists():
             raise NeedleTwinError(f"{option} {path}: no such file")

@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 import cli
 from convert.io import read_checkpoint
 from convert.trees import flatten_tree, unflatten_tree
-from convert.v2.cq import codebook, cq_hadamard, cq_quantize
 from convert.v3.cact import write_cact
 from parity_tests import flips
 from parity_tests.quant_report import load_json, to_json
@@ -31,6 +30,7 @@ from parity_tests.v3.quant import (
     read_cact_tree,
     widen,
 )
+from tests.cq_boundary import straddle
 from tests.torch_threads import torch_threads
 from tests.v3.goldens import twin_quant_flips
 
@@ -229,12 +229,17 @@ def _run(*args):
     return CliRunner().invoke(cli.app, ["quant", *args])
 
 
-def test_command_writes_sections_that_rescore(tmp_path):
+def test_command_kl_equals_upstreams_and_sections_rescore(tmp_path):
+    """Acceptance, through the command: `quant CKPT --cact X.cact --json q.json` on upstream's tokens gives the KL
+    mean computed here from upstream's float and .cact-read logits; the sections are written and re-score."""
     j, h, r2 = tmp_path / "q.json", tmp_path / "q.html", tmp_path / "r.json"
     res = _run(CKPT, "--cact", CACT, "--json", str(j), "--html", str(h), "--depth", "all", "--steps", "2",
-               "--batch", "2", "--seq-len", "12", "--quiet")
-    assert res.exit_code == 0, res.output
+               "--inputs", DATA + "needle-v3-tiny.npz", "--quiet")
+    assert res.exit_code == 0 and "QUANT PARITY HOLDS" in res.output, res.output  # the .cact's CQ is judged
     d = json.loads(j.read_text())
+    direct = direct_kl(GOLD["f32/logits"], READ["quant_logits"], REAL).mean()
+    assert abs(d["kld"]["mean"] - direct) <= ACCEPT_KL * direct, (d["kld"]["mean"], direct)
+    assert d["positions"]["real"] == int(REAL.sum()) and d["checks"][0]["name"] == "cq_check"
     assert [r["site"] for r in d["per_site"]] == ["weights", *SITES]
     assert [r["depth"] for r in d["per_rung"]] == [2, 3, 4, 5]
     assert set(d["deploy"]["models"]) == {"fake_quant", "cact", "cact_weights_only", "cact_vs_fake_quant"}
@@ -247,6 +252,7 @@ def test_command_writes_sections_that_rescore(tmp_path):
     for key in ("deploy", "per_site", "per_rung", "cq_check", "kld"):
         assert again[key] == d[key], key
     assert load_json(r2).per_rung == d["per_rung"]
+    assert [c["name"] for c in again["checks"]] == ["kld.mean", "cq_check"]  # the .cact check stays judged
     res = CliRunner().invoke(cli.app, ["rescore", str(j), "--max-kld", "1", "--quiet"])
     assert res.exit_code == 0 and "HOLDS" in res.output
 
@@ -266,16 +272,20 @@ def test_schema_doc_names_every_field(report):
     assert keys - documented == set()
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--cact", "/work/shared/fixtures/needle-v2-tiny.q4.cact"], "Needle 2 file"),
-    (["--cact", DATA + "missing.cact"], "no such file"),
-    (["--cact", CACT, "--depth", "9"], "outside the ladder"),
-    (["--bits", "7"], "width of 1, 2, 3 or 4"),
-    (["--dtype", "bfloat16"], "float32 only"),
+@pytest.mark.parametrize("ckpt_path, args, words", [
+    (CKPT, ["--cact", "tests/data/needle-v2-tiny.q4.cact"], "Needle 2 file"),
+    (CKPT, ["--cact", DATA + "missing.cact"], "no such file"),
+    (CKPT, ["--cact", CKPT], "not a Needle 3 .cact file"),
+    (CKPT, ["--cact", CACT, "--depth", "9"], "outside the ladder"),
+    (CKPT, ["--bits", "7"], "width of 1, 2, 3 or 4"),
+    (CKPT, ["--dtype", "bfloat16"], "float32 only"),
+    (CKPT, ["--lora", DATA + "flashsplit.lora.safetensors"], "the adapter is for another base"),
+    (CKPT, ["--device", "cuda:99"], "--device cuda:99"),
+    ("tests/data/needle-v1-tiny.pkl", ["--cact", CACT], "quantization parity is for Needle 2 and Needle 3"),
 ])
-def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, args, words):
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, ckpt_path, args, words):
     j = tmp_path / "q.json"
-    res = _run(CKPT, *args, "--json", str(j))
+    res = _run(ckpt_path, *args, "--json", str(j))
     assert res.exit_code == 2 and words in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1 and not j.exists()
 
@@ -301,32 +311,14 @@ def test_a_cact_of_other_weights_is_refused(tmp_path, ckpt):
 
 
 def test_a_cq_flip_in_the_cact_is_reported_and_the_rest_judged(tmp_path, ckpt, params32):
-    """A weight group of layer 1's q_proj (output row 5) moved so one rotated coordinate sits on a codebook midpoint;
-    the checkpoint holds it one nudge below, the .cact is written from it one nudge above: the report's cq_check
-    names that one flip and judges every other group (exactly equal), ok."""
+    """A weight group of layer 1's q_proj (output row 5) moved so one rotated coordinate sits on a codebook midpoint
+    (tests/cq_boundary.py); the checkpoint holds it one nudge below, the .cact is written from it one nudge above: the
+    report's cq_check names that one flip, judges every other group (exactly equal) and the report passes."""
     path, layer, out_row = "stack/layers/block/self_attn/q_proj/kernel", 1, 5
     flat = {k: np.array(a) for k, a in flatten_tree(params32).items()}
-    row = flat[path][layer, :, out_row].astype(np.float64)  # (in,): one CQ group (in = 64, zero-padded to 128)
-    width = row.size
-    h = np.sign(np.asarray(cq_hadamard(128), np.float64)) / np.sqrt(128)
-    cb = codebook(4, 128).astype(np.float64)
-    mids = (cb[:-1] + cb[1:]) / 2
-    u = np.pad(row, (0, 128 - width)) @ h / np.linalg.norm(row)
-    gap = np.abs(u[:, None] - mids[None, :])  # (g, 15)
-    j, m = np.unravel_index(np.argmin(gap), gap.shape)  # the coordinate nearest a midpoint: the smallest move
-    d = h[j, :width]  # moving w along d moves rotated coordinate j by (d·d) per unit
-
-    def make(t: int) -> np.ndarray:
-        w = row.copy()
-        for _ in range(4):  # Newton: rot_j(w) = (mid + t·2^-26)·‖w‖
-            rot_j, n = np.pad(w, (0, 128 - width)) @ h[:, j], np.linalg.norm(w)
-            w = w + ((mids[m] + t * 2.0**-26) * n - rot_j) / (d @ d) * d
-        return w.astype(np.float32)
-
-    pair = next((make(t), make(t + 1)) for t in range(-256, 256)
-                if not np.array_equal(cq_quantize(make(t)[None], 4), cq_quantize(make(t + 1)[None], 4)))
+    below, above, j = straddle(flat[path][layer, :, out_row])  # (in,): one CQ group (in = 64, zero-padded to 128)
     trees = []
-    for w in pair:
+    for w in (below, above):
         k = flat[path].copy()
         k[layer, :, out_row] = w
         trees.append(unflatten_tree({**flat, path: k}))
@@ -338,8 +330,9 @@ def test_a_cq_flip_in_the_cact_is_reported_and_the_rest_judged(tmp_path, ckpt, p
     (e,) = c["flip_events"]
     assert (e["tensor"], e["kind"], e["coordinate"]) == (path, "code", j)
     assert e["row"] == layer * flat[path].shape[2] + out_row and e["margin_ulps"] <= 1
+    assert r.passed and r.exit_code == 0
 
-    # a real change in the same place: that layer's q_proj moved by ±1e-3 of itself, a real difference
+    # a real change in the same place: that layer's q_proj moved by ±1e-3 of itself (~10^4 float32 steps)
     k = flat[path].copy()
     k[layer] *= 1 + 1e-3 * np.random.default_rng(0).choice([-1.0, 1.0], k[layer].shape)
     write_cact(unflatten_tree({**flat, path: k.astype(np.float32)}), ckpt.config, tmp_path / "moved.cact")
@@ -347,3 +340,4 @@ def test_a_cq_flip_in_the_cact_is_reported_and_the_rest_judged(tmp_path, ckpt, p
                 cact=read_cact_tree(tmp_path / "moved.cact", ckpt.config, params32), steps=0)
     assert not r.cq_check["ok"] and r.cq_check["divergent_groups"] > 0
     assert {e["tensor"] for e in r.cq_check["divergence_events"]} == {path}
+    assert not r.passed and r.exit_code == 1 and [c["name"] for c in r.checks if not c["passed"]] == ["cq_check"]
