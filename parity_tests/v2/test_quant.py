@@ -473,6 +473,8 @@ def test_a_cq_flip_in_the_cact_is_reported_and_a_real_difference_fails(ckpt, par
     assert not r.cq_check["ok"] and [e["tensor"] for e in r.cq_check["divergence_events"]] == [path]
     assert not r.passed and r.exit_code == 1 and [c["name"] for c in r.checks if not c["passed"]] == ["cq_check"]
     assert "differ from this checkpoint's CQ in 1 group" in verdict_text(r)
+    page = render_html(r)
+    assert '<span class="verdict fail">FAIL</span>' in page and "DIVERGENCE" in page
 
 
 def test_a_cact_of_other_weights_is_refused(ckpt, params32, tmp_path):

@@ -17,12 +17,14 @@ import cli
 from convert.io import read_checkpoint
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v3.cact import write_cact
+from convert.v3.lora import merged_params, read_adapter
 from parity_tests import flips
 from parity_tests.quant_report import load_json, to_json
 from parity_tests.v3.quant import (
     SITES,
     build_model,
     compare,
+    cq_check_section,
     deploy_sites,
     logits_of,
     quant,
@@ -214,12 +216,19 @@ def test_sqnr_per_tensor(report, params32):
     assert not any(t["logits_path"] for t in heads)
 
 
-def test_lora_is_merged_before_quantizing(ckpt):
-    """The float model is base + adapter as upstream merges it (its f32/lora_logits golden)."""
-    r = quant(CKPT, lora=DATA + "needle-v3-tiny.lora.safetensors", inputs=TOKENS, steps=0, ckpt=ckpt)
+def test_lora_is_merged_before_quantizing(ckpt, params32, tmp_path):
+    """The float model is base + adapter as upstream merges it (its f32/lora_logits golden); a .cact built from the
+    merged tree (`needle build --lora`) is then this model's CQ in every group, and without --lora it is not."""
+    lora = DATA + "needle-v3-tiny.lora.safetensors"
+    built = tmp_path / "lora.cact"
+    write_cact(merged_params(read_adapter(lora), params32), ckpt.config, built)
+    r = quant(CKPT, cact=str(built), lora=lora, inputs=TOKENS, steps=0, ckpt=ckpt)
     assert r.quantized["lora"]["path"].endswith("lora.safetensors")
     assert rel(r.arrays["float_logits"], GOLD["f32/lora_logits"]) <= F32_REL
     assert rel(r.arrays["float_logits"], GOLD["f32/logits"]) > 1e-3  # the adapter does change the model
+    assert r.cq_check["ok"] and r.cq_check["divergent_groups"] == 0 and r.passed
+    base = cq_check_section(params32, read_cact_tree(built, ckpt.config, params32))
+    assert not base["ok"] and base["divergent_groups"] > 0  # judged against the base alone, it is not its CQ
 
 
 # ----------------------------------------------------------------------------- the command
