@@ -38,7 +38,7 @@ from convert.io import read_checkpoint
 from convert.mapping import flax_to_torch_numpy
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.bits import groups_along_input, is_quant_leaf
-from convert.v2.cq import cq_quantize, quantize_leaf
+from convert.v2.cq import cq_quantize, quantize_leaf, width_of_record
 from convert.v3 import FAMILY, TransformerConfig, ladder_layer_indices
 from convert.v3.cact import CQ, CactFile, read_cact, to_params
 from convert.v3.lora import check_adapter, merged_params, read_adapter
@@ -152,6 +152,22 @@ class CactTree:
     cq: dict[str, tuple[float, bool]]  # CQ leaf path -> (bits, grouped along the input axis)
     description: dict[str, Any]
     notes: tuple[str, ...]
+    weight_bits: float = 4.0  # the width of its weight records (the heads' are HEAD_BITS whatever it is)
+
+
+def record_of(path: str) -> str:
+    """The name of the (first) .cact record a CQ leaf is read from: its width is the leaf's."""
+    parts = path.split("/")
+    if path == "embedding/embedding":
+        return "embedding"
+    if path.startswith("stack/layers/"):
+        return f"layer00.{parts[-2]}"  # q_proj, k_proj, v_proj, gate_proj, out_proj
+    if path.startswith("stack/mhc_phi"):
+        return parts[1]
+    if path.startswith("engrams_"):
+        g = parts[0][len("engrams_"):]
+        return f"engram{g}.tables" if parts[1] == "embedding" else f"engram{g}.{parts[1]}"
+    return f"{parts[0]}.{parts[1]}"  # <head>.probes, <head>.query, <head>.proj
 
 
 def read_cact_tree(cact: str | os.PathLike | CactFile, config: TransformerConfig,
@@ -170,10 +186,10 @@ def read_cact_tree(cact: str | os.PathLike | CactFile, config: TransformerConfig
         what = what or f"it holds {', '.join(extra)}, which the checkpoint lacks"
         raise ConfigError(f"{f.path} describes another model than the float checkpoint ({what}); give the .cact "
                           "exported from this checkpoint")
-    widths = sorted({r.bits for r in f.records if r.dtype == CQ})
-    bits = float(widths[0]) if len(widths) == 1 else 4.0
+    record_widths = {r.name: float(width_of_record(r.bits)) for r in f.records if r.dtype == CQ}
+    widths = sorted(set(record_widths.values()))
     kept = {p: a for p, a in flat_f.items() if p not in flat_c and p.startswith(_HEADS)}  # log_temp, the bias
-    cq = {p: (bits, groups_along_input(p)) for p, a in flat_c.items()
+    cq = {p: (record_widths[record_of(p)], groups_along_input(p)) for p, a in flat_c.items()
           if is_quant_leaf(p, np.ndim(a)) or (p.startswith(_HEADS) and p.endswith(("/probes", "/query")))}
     notes = [f"{f.path}: " + "; ".join(read.lines())]
     if kept:
@@ -183,7 +199,8 @@ def read_cact_tree(cact: str | os.PathLike | CactFile, config: TransformerConfig
                      f"{config.kv_bits}: both quantized models run the config's")
     description = {"source": "cact", "cact": str(f.path), "records": len(f.records), "cq_bits": widths,
                    "lossy": read.lines()}
-    return CactTree(unflatten_tree({**flat_c, **kept}), cq, description, tuple(notes))
+    return CactTree(unflatten_tree({**flat_c, **kept}), cq, description, tuple(notes),
+                    record_widths.get("embedding", 4.0))
 
 
 # ----------------------------------------------------------------------------- running the models
@@ -620,6 +637,7 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
     if cact is not None:
         cact_tree = read_cact_tree(cact, config, params32)
         section = cq_check_section(params32, cact_tree)  # refuses a .cact of other weights before any model runs
+        width = cact_tree.weight_bits  # the fake-quant at the file's width, so the three-way table compares alike
     report = compare(params32, config, data, cact=cact_tree, bits=width, steps=steps, depths=depths, device=device,
                      thresholds=thresholds, lora_info=lora_info, cq_check=section,
                      model_info={"checkpoint": str(float_ckpt), "format": ckpt.format, "step": ckpt.extra.get("step")})

@@ -299,6 +299,20 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, ckpt_path, args,
     assert len(res.output.strip().splitlines()) == 1 and not j.exists()
 
 
+def test_a_2_bit_cact_is_judged_at_its_own_widths(tmp_path, ckpt, params32):
+    """A .cact written at 2 bits (the heads stay CQ-4, as the exporter writes them): each CQ leaf is checked at its
+    record's width, and the fake-quant runs at the file's weight width."""
+    path = tmp_path / "q2.cact"
+    write_cact(params32, ckpt.config, path, bits=2)
+    r = quant(CKPT, cact=str(path), batch=2, seq_len=8, steps=0, ckpt=ckpt)
+    assert r.quantized["cq_bits"] == [2, 4] and "params, 2)" in r.deploy["models"]["fake_quant"]["what"]
+    assert r.cq_check["ok"] and r.cq_check["divergent_groups"] == 0 and r.passed
+    bits = {t["name"]: t["bits"] for t in r.per_tensor}
+    assert bits["layer01.q_proj"] == bits["engram0.tables"] == bits["embedding"] == 2
+    assert bits["router_head.proj"] == bits["router_head.probes"] == 4
+    assert r.deploy["models"]["cact_vs_fake_quant"]["kld_mean"] < r.kld["mean"] / 10  # alike: same widths
+
+
 def test_a_cact_of_another_model_is_refused(tmp_path):
     j = tmp_path / "q.json"
     res = _run(DATA + "mqa.safetensors", "--cact", CACT, "--json", str(j))
