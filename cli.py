@@ -427,8 +427,8 @@ def rescore_command(
     Without options a parity report gets its own profile again. Exit code 0 / 1 / 2 as for `parity` and `quant`.
     """
     if _report_schema(report_path) == "needle-twin/quant-report":
-        from parity_tests.v2 import quant
-        from parity_tests.v2.quant_report import render_terminal, verdict_text
+        from parity_tests import quant
+        from parity_tests.quant_report import render_terminal, verdict_text
 
         if any(v is not None for v in (profile, rtol, atol, kl_max, grad_rtol)):
             raise NeedleTwinError("--profile, --rtol, --atol, --kl-max and --grad-rtol re-judge parity reports; a "
@@ -462,7 +462,7 @@ def _report_schema(path: str) -> str | None:
 @app.command("quant")
 @guarded
 def quant_command(
-    float_ckpt: Annotated[str, typer.Argument(metavar="FLOAT_CKPT", help="The float Needle 2 checkpoint.")],
+    float_ckpt: Annotated[str, typer.Argument(metavar="FLOAT_CKPT", help="The float Needle 2 or 3 checkpoint.")],
     cact: Annotated[Optional[str], typer.Option("--cact", help="A .cact build of it to judge.")] = None,
     bits: Annotated[Optional[str], typer.Option(
         "--bits", help="Or quantise it here: 2, 3, 4, 1.58, or a bits map such as default=2,embedding=4.")] = None,
@@ -476,6 +476,9 @@ def quant_command(
     seq_len: Annotated[int, typer.Option("--seq-len", help="Length of the random batch.")] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random batch.")] = 0,
     steps: Annotated[int, typer.Option("--steps", help="Greedy steps both models decode (0 = none).")] = 8,
+    depth: Annotated[Optional[str], typer.Option(
+        "--depth", help="Needle 3: ladder rungs to judge against the full float model: all, or depths such as 2,4.")
+                     ] = None,
     max_kld: Annotated[Optional[float], typer.Option(
         "--max-kld", help="Fail (exit 1) when the KL mean (see --kld-stat) exceeds this.")] = None,
     min_top1: Annotated[Optional[float], typer.Option(
@@ -493,10 +496,27 @@ def quant_command(
     """Does the quantised build still decide what the float model decided? KL, top-1, greedy agreement, and the
     layers and tensors that cost most (each layer quantised alone; per-tensor SQNR). torch only, no JAX.
 
-    Exit code 0, or 1 when a --max-kld / --min-top1 threshold fails, 2 on bad input."""
+    Needle 3: three-way, float / upstream's deploy fake-quant / the .cact as read, with the cost of each deploy
+    site and, with --depth, of each ladder rung. Exit code 0, or 1 when a --max-kld / --min-top1 threshold fails,
+    2 on bad input."""
+    from parity_tests.quant_report import render_terminal, verdict_text
     from parity_tests.v2 import quant
-    from parity_tests.v2.quant_report import render_terminal, verdict_text
 
+    if _checkpoint_family(float_ckpt) == "v3":
+        from parity_tests.v3 import quant as v3_quant
+
+        if dtype != "float32":
+            raise NeedleTwinError("Needle 3's quant report runs float32 only (its deploy numerics are float32); drop "
+                                  "--dtype")
+        report = v3_quant.quant(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len,
+                                seed=seed, steps=steps, depth=depth, lora=lora, json_path=json_path,
+                                html_path=html_path, force=force, max_kld=max_kld, min_top1=min_top1,
+                                kld_stat=kld_stat, device=device)
+        console = _report_console()
+        console.print(verdict_text(report)) if quiet else render_terminal(report, console)
+        raise typer.Exit(report.exit_code)
+    if depth is not None:
+        raise NeedleTwinError("--depth judges Needle 3 ladder rungs; this checkpoint is not Needle 3")
     report = quant.quant(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed,
                          steps=steps, lora=lora, json_path=json_path, html_path=html_path, force=force,
                          max_kld=max_kld, min_top1=min_top1, kld_stat=kld_stat, device=device, dtype=dtype)
@@ -506,6 +526,16 @@ def quant_command(
     else:
         render_terminal(report, console)
     raise typer.Exit(report.exit_code)
+
+
+def _checkpoint_family(path: str) -> str | None:
+    """The family a checkpoint file names (None when it cannot be read: the command's own checks say why)."""
+    from convert.io import open_source, source_family
+
+    try:
+        return source_family(open_source(path)).name
+    except (NeedleTwinError, OSError, ValueError):
+        return None
 
 
 # --- generate command ---
