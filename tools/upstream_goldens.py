@@ -14,6 +14,8 @@ For every config NAME in CONFIGS it writes into --out (default tests/data/v3/):
 and, from the shared fixture needle-v3-tiny (its checkpoint and its SentencePiece model):
   needle-v3-tiny.text.npz   texts through upstream's tokenizer, then the three heads on them
   needle-v3-tiny.text.command
+  needle-v3-tiny.window.npz greedy decoding under a kv window with sinks (hidden_cells' mask through __call__)
+  needle-v3-tiny.window.command
 
 Names: A architecture, C checkpoints, R run, F finetune, Q quantize (upstream modules).
 bf16 means config dtype "bfloat16" AND every param cast to bfloat16 first.
@@ -567,6 +569,53 @@ def text_goldens(out_dir, argv, vers, src=SHARED_FIXTURE):
         fh.write("\n".join(lines) + "\n")
 
 
+WINDOW, SINKS, WINDOW_STEPS = 5, 3, 12  # kv window inside the sliding window of 8; the prompt's first 3 positions
+
+
+def window_goldens(out_dir, argv, vers, src=SHARED_FIXTURE):
+    """needle-v3-tiny.window.npz: run.generate's greedy loop (the full forward on the growing PAD-filled buffer)
+    with hidden_cells' windowed mask passed to __call__: causal & (q - k < WINDOW | k a sink), the sinks the prompt's
+    first SINKS positions; float32 config and params, prompt = needle-v3-tiny.npz's `prompt`."""
+    name = "needle-v3-tiny"
+    params, cfg = R.load_checkpoint(os.path.join(src, f"{name}.safetensors"))
+    cfg = with_dtype(cfg, "float32")
+    m = A.SimpleAttentionNetwork(cfg)
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    with np.load(os.path.join(src, f"{name}.npz")) as z:
+        prompt = np.asarray(z["prompt"], np.int32)  # (1, P)
+    P = prompt.shape[1]
+    M = P + WINDOW_STEPS
+    pos = jnp.arange(M)
+    sink = jnp.zeros((1, M), jnp.bool_).at[:, :SINKS].set(True)
+    recent = ((pos[:, None] - pos[None, :]) < WINDOW)[None, None]
+    mask = A.make_causal_mask(M) & (recent | sink[:, None, None, :])
+    fwd = jax.jit(lambda p, t: m.apply({"params": p}, t, mask=mask))
+    buf = np.full((1, M), PAD, np.int32)
+    buf[:, :P] = prompt
+    tokens, logits = [], []
+    for t in range(P - 1, M - 1):
+        step = np.asarray(fwd(params, jnp.asarray(buf)))[0, t]
+        logits.append(step)
+        tokens.append(int(step.argmax()))
+        buf[0, t + 1] = tokens[-1]
+    np.savez_compressed(os.path.join(out_dir, f"{name}.window.npz"), prompt=prompt,
+                        sink=np.asarray(sink[:, :P]), kv_window=np.int32(WINDOW),
+                        **{"f32/tokens": np.asarray([tokens], np.int32),
+                           "f32/logits": np.asarray([logits], np.float32)})
+    lines = [f"# {name}.window: made by upstream's own code through tools/upstream_goldens.py window_goldens()",
+             f"command: {argv}",
+             "regenerate: tools/upstream_goldens.sh --text-only   (from the repo root)",
+             *(f"{k}: {v}" for k, v in vers.items()),
+             "matmul precision: jax_default_matmul_precision=highest, JAX_PLATFORMS=cpu",
+             f"inputs: {name}.safetensors via R.load_checkpoint, float32; prompt: {name}.npz's `prompt` ({P} ids)",
+             f"loop: run.generate's (greedy, the full forward on a PAD-filled buffer of {M}), each step "
+             f"m.apply(params, buf, mask=make_causal_mask(M) & (q - k < {WINDOW} | sink[k])), sink = the first "
+             f"{SINKS} positions: hidden_cells' window and sink",
+             f"f32/tokens (1, {WINDOW_STEPS}), f32/logits (1, {WINDOW_STEPS}, V): the chosen ids and their logits"]
+    with open(os.path.join(out_dir, f"{name}.window.command"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
 def versions():
     v = {name: importlib.metadata.version(name)
          for name in ("cactus-needle", "jax", "jaxlib", "flax", "numpy", "safetensors",
@@ -579,7 +628,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="tests/data/v3")
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), default=None)
-    parser.add_argument("--text-only", action="store_true", help="write only needle-v3-tiny.text.*")
+    parser.add_argument("--text-only", action="store_true", help="write only needle-v3-tiny.text.* and .window.*")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     argv = os.environ.get("UPSTREAM_GOLDENS_COMMAND") or shlex.join(
@@ -588,10 +637,12 @@ def main():
     assert vers["cactus-needle"] == "3.2.8", vers
     if args.text_only:
         text_goldens(args.out, argv, vers)
+        window_goldens(args.out, argv, vers)
         return
     if os.path.isdir(SHARED_FIXTURE) and not args.only:
         copy_shared_fixture(args.out, argv)
         text_goldens(args.out, argv, vers)
+        window_goldens(args.out, argv, vers)
     for name in args.only or CONFIGS:
         meta = build(name, CONFIGS[name], args.out, argv, vers)
         print(f"{name}: {len(meta['arrays'])} arrays per dtype, "

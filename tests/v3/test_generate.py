@@ -117,6 +117,20 @@ def test_cached_generate_gives_upstreams_greedy_tokens_and_logits(twin, name):
     assert step_rel(logits, ref_logits) <= F32_REL
 
 
+WINDOW = np.load(goldens.DATA / "needle-v3-tiny.window.npz")  # tools/upstream_goldens.py window_goldens()
+
+
+@pytest.mark.parametrize("twin", ["torch", pytest.param("flax", marks=pytest.mark.slow)])
+def test_a_kv_window_with_sinks_decodes_as_upstreams_windowed_forward(twin, fx):
+    """upstream's greedy loop with hidden_cells' window (5, inside the sliding window of 8) and sinks (the first 3
+    positions) as the forward's mask: the cached decoder's tokens exactly, each step's logits within 1e-5."""
+    ref_tokens, ref_logits = WINDOW["f32/tokens"], WINDOW["f32/logits"]
+    tokens, logits = run(fx, twin, "cached", WINDOW["prompt"], ref_tokens.shape[1], return_logits=True,
+                         eos_token_id=None, kv_window=int(WINDOW["kv_window"]), sink=WINDOW["sink"])
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    assert step_rel(logits, ref_logits) <= F32_REL
+
+
 def test_the_model_method_is_the_cached_loop_and_greedy_by_default(fx):
     g = fx["g"]
     tokens = fx["torch"].generate(torch.as_tensor(g.arrays["prompt"]), max_new_tokens=10)
