@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,11 +13,18 @@ from convert.v3.embedding import embedding_ids, right_padded
 from needle_flax.v3.model import SimpleAttentionNetwork
 
 
+@functools.lru_cache(maxsize=8)
+def _heads(model: SimpleAttentionNetwork, method: str):
+    """One jitted head per (model, method); jit then caches a compilation per batch shape (an eager call traces
+    the whole stack op by op, slower than compiling it once)."""
+    return jax.jit(lambda params, tokens: model.apply({"params": params}, tokens, method=method))
+
+
 def embed(model: SimpleAttentionNetwork, params, tokenizer: Any, texts: Sequence[str]) -> jax.Array:
     """The normalised sentence vectors (B, embedding_dim) in float32, one per text (convert.v3.embedding: the ids,
     and why a batch is right-padded). tokenizer: a SentencePiece processor (convert.v3.chat.load_chat_tokenizer)."""
     tokens = jnp.asarray(embedding_ids(tokenizer, texts, model.config.max_seq_len))
-    vectors = model.apply({"params": params}, tokens, method="forward_embedding")
+    vectors = _heads(model, "forward_embedding")(params, tokens)
     return vectors.astype(jnp.float32)
 
 
@@ -26,8 +34,8 @@ def scores(model: SimpleAttentionNetwork, params, prompts) -> tuple[jax.Array, j
     on each prompt right-padded (convert.v3.embedding.right_padded)."""
     rows = prompts.tolist() if hasattr(prompts, "tolist") else prompts
     tokens = jnp.asarray(right_padded(rows))
-    confidence = model.apply({"params": params}, tokens, method="forward_confidence")
-    router = model.apply({"params": params}, tokens, method="forward_router")
+    confidence = _heads(model, "forward_confidence")(params, tokens)
+    router = _heads(model, "forward_router")(params, tokens)
     return confidence.astype(jnp.float32), router.astype(jnp.float32)
 
 

@@ -56,12 +56,14 @@ def vectors(fx, twin, texts):
 
 @pytest.mark.parametrize("twin", TWINS)
 def test_embed_is_upstreams_forward_embedding(twin, fx):
-    """Every text (plain, non-ASCII, empty, whitespace, a rendered prompt) in one batch, and one text alone."""
+    """Every text (plain, non-ASCII, empty, whitespace, a rendered prompt) in one batch, and (torch; in Flax each
+    batch shape costs a compilation) one text alone."""
     got = vectors(fx, twin, TEXTS)
     assert got.dtype == np.float32 and got.shape == TEXT["f32/embedding"].shape
     assert np.abs(got - TEXT["f32/embedding"]).max() <= EMBED_ABS
-    alone = vectors(fx, twin, [TEXTS[2]])
-    assert np.abs(alone[0] - TEXT["f32/embedding_alone"][2]).max() <= EMBED_ABS
+    if twin == "torch":
+        alone = vectors(fx, twin, [TEXTS[2]])
+        assert np.abs(alone[0] - TEXT["f32/embedding_alone"][2]).max() <= EMBED_ABS
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)  # unit vectors: upstream normalises
 
 
