@@ -530,11 +530,12 @@ def generate_command(
                                              "the family is read from the file.")],
     tokens: Annotated[Optional[str], typer.Option(
         "--tokens", help="The input as token ids, e.g. '2 391 385' (or comma-separated): v1's encoder input; "
-                         "Needle 2's prompt, used as given (upstream's prompts start with BOS, id 2).")] = None,
+                         "Needle 2's and Needle 3's prompt, used as given (upstream's prompts start with BOS, id 2).")
+    ] = None,
     query: Annotated[Optional[str], typer.Option("--query", help="Query text (needs --tokenizer).")] = None,
     tools: Annotated[Optional[str], typer.Option(
-        "--tools", help="The tools: a JSON list, inline or a .json file (Needle 2), or a JSON string (v1). Default "
-                        "[].")] = None,
+        "--tools", help="The tools: a JSON list, inline or a .json file (Needle 2, Needle 3), or a JSON string "
+                        "(v1). Default [].")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(
         "--tokenizer", help="SentencePiece .model: encodes --query/--tools and decodes the output to text.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="torch (cached KV) or flax (jitted cached loop).")
@@ -548,8 +549,8 @@ def generate_command(
         "--compile", help="torch: the fast decoding step (compiled on the first call, cached on disk after).")] = False,
     family_options: Optional[dict] = None,
 ) -> None:
-    """Decode with the cached decoder, printing tokens as they come (text too with --tokenizer; Needle 2 also
-    prints the tool call it finds)."""
+    """Decode with the cached decoder, printing tokens as they come (text too with --tokenizer; Needle 2 and 3 also
+    print the tool call they find, Needle 3 the prompt's confidence and router values)."""
     from convert.errors import GenerationError
     from convert.io import read_checkpoint
     from parity_tests.adapter import GenerateRequest
