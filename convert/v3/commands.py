@@ -52,7 +52,7 @@ def _json_arg(value: str, flag: str) -> Any:
     return chat.load_tools(value)
 
 
-def prompt_of(request, options: Mapping[str, Any], tokenizer: Any, max_len: int) -> list[int]:
+def prompt_of(request, options: Mapping[str, Any], tokenizer: Any, max_len: int | None) -> list[int]:
     """The prompt ids: --tokens as given, or --query (and --tools, --system, --context, --extract, --schema)
     rendered by convert.v3.chat.render_prompt and encoded with BOS."""
     rendered = {"tools": request.tools, "system": options["system"], "context": options["context"],
@@ -81,7 +81,7 @@ def generate(checkpoint, request, options: Mapping[str, Any], runner: Callable[[
         raise GenerationError("--query needs --tokenizer PATH (the SentencePiece .model) to become token ids")
     tok = None if request.tokenizer is None else chat.load_chat_tokenizer(request.tokenizer,
                                                                           vocab_size=config.vocab_size)
-    prompt = prompt_of(request, options, tok, config.max_seq_len - 1)
+    prompt = prompt_of(request, options, tok, None)  # a prompt too long is refused below, as upstream does
     bad = sorted({t for t in prompt if not 0 <= t < config.vocab_size})
     if bad:
         raise GenerationError(f"--tokens has ids {bad[:5]} outside the model's vocabulary [0, {config.vocab_size}); "
@@ -134,7 +134,7 @@ def generate(checkpoint, request, options: Mapping[str, Any], runner: Callable[[
     if missing:
         print(f"scores: none (the checkpoint has no {' or '.join(missing)})")
     else:
-        row = prompt_scores(*model.scores(np.asarray([prompt])))[0]
+        row = prompt_scores(*model.scores(np.asarray([prompt]), deployed(checkpoint)))[0]
         print(f"confidence: {row['confidence']:.6g}")
         print("router: " + ", ".join(f"{k} {v:.6g}" for k, v in row["router"].items()))
     sys.stdout.flush()
@@ -146,12 +146,13 @@ def generate(checkpoint, request, options: Mapping[str, Any], runner: Callable[[
 
 
 def embed(checkpoint, request: EmbedRequest, runner: Callable[[Any, Any], Any]) -> None:
-    """Print each text's unit vector (its first values; all of them with --json) and their cosine similarities."""
+    """Print each text's unit vector (its first values; all of them with --json) and their cosine similarities; a
+    .cact's with its deploy numerics."""
     if "embedding_head" not in checkpoint.params:
         raise GenerationError(f"{checkpoint.path} has no embedding_head; give a checkpoint with the embedding head")
     config = _compute_config(checkpoint, request.backend, request.dtype)
     tok = chat.load_chat_tokenizer(request.tokenizer, vocab_size=config.vocab_size)
-    vectors = runner(checkpoint.params, config).embed(tok, list(request.texts))
+    vectors = runner(checkpoint.params, config).embed(tok, list(request.texts), deployed(checkpoint))
     sims = cosine_similarities(vectors)
     if request.as_json:
         print(json.dumps({"texts": list(request.texts), "dim": int(vectors.shape[1]), "dtype": config.dtype,

@@ -31,12 +31,12 @@ class Runner:
                        **options)
         return np.asarray(out)
 
-    def scores(self, prompts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        confidence, router = scores(self.model, self.params, prompts)
+    def scores(self, prompts: np.ndarray, quant: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        confidence, router = scores(self.model, self.params, prompts, quant)
         return np.asarray(confidence), np.asarray(router)
 
-    def embed(self, tokenizer: Any, texts: Sequence[str]) -> np.ndarray:
-        return np.asarray(embed(self.model, self.params, tokenizer, texts))
+    def embed(self, tokenizer: Any, texts: Sequence[str], quant: bool = False) -> np.ndarray:
+        return np.asarray(embed(self.model, self.params, tokenizer, texts, quant))
 
 
 __all__ = ["Runner"]

@@ -31,12 +31,12 @@ class Runner:
                        streamer=None if streamer is None else stream, **options)
         return out.cpu().numpy()
 
-    def scores(self, prompts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        confidence, router = scores(self.model, prompts)
+    def scores(self, prompts: np.ndarray, quant: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        confidence, router = scores(self.model, prompts, quant)
         return confidence.cpu().numpy(), router.cpu().numpy()
 
-    def embed(self, tokenizer: Any, texts: Sequence[str]) -> np.ndarray:
-        return embed(self.model, tokenizer, texts).cpu().numpy()
+    def embed(self, tokenizer: Any, texts: Sequence[str], quant: bool = False) -> np.ndarray:
+        return embed(self.model, tokenizer, texts, quant).cpu().numpy()
 
 
 __all__ = ["Runner"]
