@@ -10,6 +10,7 @@ of a second.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import inspect
 import json
@@ -115,6 +116,16 @@ def generate_options_of(family, given: dict) -> dict:
         raise NeedleTwinError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to "
                               f"{family.title} generation; drop it")
     return {name: given[name] for name in mine}
+
+
+def family_hook(family, kind: str, key: str) -> Callable | None:
+    """A family's own CLI command or twin runner (`Family.commands` / `Family.runners`, "module:name"), imported
+    now; None when the family declares none."""
+    target = getattr(family, kind).get(key)
+    if target is None:
+        return None
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _version(value: bool) -> None:
@@ -549,11 +560,12 @@ def generate_command(
                                              "the family is read from the file.")],
     tokens: Annotated[Optional[str], typer.Option(
         "--tokens", help="The input as token ids, e.g. '2 391 385' (or comma-separated): v1's encoder input; "
-                         "Needle 2's prompt, used as given (upstream's prompts start with BOS, id 2).")] = None,
+                         "Needle 2's and Needle 3's prompt, used as given (upstream's prompts start with BOS, id 2).")
+    ] = None,
     query: Annotated[Optional[str], typer.Option("--query", help="Query text (needs --tokenizer).")] = None,
     tools: Annotated[Optional[str], typer.Option(
-        "--tools", help="The tools: a JSON list, inline or a .json file (Needle 2), or a JSON string (v1). Default "
-                        "[].")] = None,
+        "--tools", help="The tools: a JSON list, inline or a .json file (Needle 2, Needle 3), or a JSON string "
+                        "(v1). Default [].")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(
         "--tokenizer", help="SentencePiece .model: encodes --query/--tools and decodes the output to text.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="torch (cached KV) or flax (jitted cached loop).")
@@ -567,8 +579,8 @@ def generate_command(
         "--compile", help="torch: the fast decoding step (compiled on the first call, cached on disk after).")] = False,
     family_options: Optional[dict] = None,
 ) -> None:
-    """Decode with the cached decoder, printing tokens as they come (text too with --tokenizer; Needle 2 also
-    prints the tool call it finds)."""
+    """Decode with the cached decoder, printing tokens as they come (text too with --tokenizer; Needle 2 and 3 also
+    print the tool call they find, Needle 3 the prompt's confidence and router values)."""
     from convert.errors import GenerationError
     from convert.io import read_checkpoint
     from parity_tests.adapter import GenerateRequest
@@ -579,10 +591,52 @@ def generate_command(
     if query is not None and tokenizer is None:
         raise GenerationError("--query needs --tokenizer PATH (the SentencePiece .model) to become token ids")
     checkpoint = read_checkpoint(ckpt)
-    options = generate_options_of(checkpoint.family, family_options or {})
+    family = checkpoint.family
+    options = generate_options_of(family, family_options or {})
     request = GenerateRequest(tokens=tokens, query=query, tools=tools, tokenizer=tokenizer, backend=backend,
                               max_new_tokens=max_new_tokens, dtype=dtype, compile=compile)
-    adapter_named(checkpoint.family.name).generate(checkpoint, request, options)
+    run = family_hook(family, "commands", "generate")
+    if run is None:
+        adapter_named(family.name).generate(checkpoint, request, options)
+    else:
+        run(checkpoint, request, options, _runner(family, backend))
+
+
+def _runner(family, backend: str) -> Callable:
+    """The family's twin runner for --backend; an error naming the backends it has."""
+    runner = family_hook(family, "runners", backend)
+    if runner is None:
+        raise NeedleTwinError(f"--backend {backend!r} is unknown for {family.title}; use "
+                              f"{' or '.join(family.runners)}")
+    return runner
+
+
+# --- embed command ---
+
+
+@app.command("embed")
+@guarded
+def embed_command(
+    ckpt: Annotated[str, typer.Argument(help="Checkpoint with an embedding head (Needle 3; .cact too).")],
+    texts: Annotated[list[str], typer.Argument(help="The texts, one vector each.")],
+    tokenizer: Annotated[str, typer.Option("--tokenizer", help="SentencePiece .model the texts are encoded with.")],
+    backend: Annotated[str, typer.Option("--backend", help="torch or flax.")] = "torch",
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", help="Compute dtype: float32, bfloat16, float16 (default: the checkpoint config's).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the vectors and similarities as JSON.")] = False,
+) -> None:
+    """Sentence embeddings: each text's unit vector (upstream's forward_embedding on [BOS] + its ids) and the
+    texts' cosine similarities."""
+    from convert.generation import EmbedRequest
+    from convert.io import read_checkpoint
+
+    checkpoint = read_checkpoint(ckpt)
+    family = checkpoint.family
+    run = family_hook(family, "commands", "embed")
+    if run is None:
+        having = [f.title for f in FAMILIES.values() if "embed" in f.commands]
+        raise NeedleTwinError(f"{family.title} has no embedding head; `needle-twin embed` runs {', '.join(having)}")
+    run(checkpoint, EmbedRequest(texts, tokenizer, backend, dtype, as_json), _runner(family, backend))
 
 
 def main() -> None:
