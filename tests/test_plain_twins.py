@@ -114,3 +114,11 @@ def test_a_piece_switched_off_is_not_swapped_in():
     with seam.fast_paths(model):
         assert v2_model.walsh_transform is not plain_walsh
         assert any(type(m) is kernels.Linear for m in model.modules())
+
+
+def test_every_piece_serves_a_request_the_benchmark_runs():
+    tree = ast.parse((REPO / "benchmarks" / "bench_fast_pieces.py").read_text())
+    requests = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "REQUESTS" for t in node.targets))
+    names = {key.value for key in requests.keys}
+    assert names and {piece.serves for piece in fast_v2.PIECES.values()} <= names
