@@ -205,6 +205,14 @@ def decode_step(self: SimpleAttentionNetwork, tokens: Tensor, cache: DecodeCache
     return cpu_decode.logits(fused, x)
 
 
+def new_cache(self: SimpleAttentionNetwork, batch: int, max_len: int, valid: Tensor | None = None,
+              sink: Tensor | None = None, kv_window: int = 0) -> DecodeCache:
+    """SimpleAttentionNetwork.new_cache, with every Walsh matrix the fast forms of a compiled step may read built
+    first: a compiled region cannot build one (the new tensor would escape it), whoever compiles the steps."""
+    prepare_walsh(self.config.hada_dim, self.dtype, self.device)
+    return _PLAIN["new_cache"](self, batch, max_len, valid, sink, kv_window)
+
+
 def decode_logits(self: SimpleAttentionNetwork, x: Tensor, weight: Tensor | None) -> Tensor:
     """SimpleAttentionNetwork._decode_logits; compiled few-row products read E in its own dtype (upcast in
     registers)."""
@@ -226,11 +234,9 @@ def prepare(net: SimpleAttentionNetwork, batch: int, steps_compiled: bool, prefi
 
 
 def ready(net: SimpleAttentionNetwork, cache: DecodeCache, traced: bool, fused: bool) -> DecodeCache:
-    """The request's cache with the fast forms' state: the Walsh matrices and attention kernel its compiled steps
-    read, cpu_decode's tables (a FusedCache) where `fused`, and no float32 copy of E where traced steps read E in
-    place."""
+    """The request's cache with the fast forms' state: the attention kernel its compiled steps call, cpu_decode's
+    tables (a FusedCache) where `fused`, and no float32 copy of E where traced steps read E in place."""
     cfg, batch = net.config, cache.hist.shape[0]
-    prepare_walsh(cfg.hada_dim, net.dtype, net.device)  # before any compiled region reads them
     if traced:
         cpu_attention.prepare(net.dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, net.device,
                               batch * cfg.num_kv_heads)
@@ -249,7 +255,7 @@ def module_swaps(net: nn.Module) -> list:
 
 # The plain pieces, and what replaces them inside fast_paths: (owner, attribute, fast form).
 _PLAIN = {"sinkhorn": lanes.sinkhorn, "write_lanes": lanes.write_lanes,
-          "decode_step": SimpleAttentionNetwork.decode_step}
+          "decode_step": SimpleAttentionNetwork.decode_step, "new_cache": SimpleAttentionNetwork.new_cache}
 SWAPS = (
     (model, "dot_product_attention", dot_product_attention),
     (model, "walsh_transform", walsh_transform),
@@ -259,6 +265,7 @@ SWAPS = (
     (model, "project", project),
     (lanes, "write_lanes", write_lanes),
     (model, "write_lanes", write_lanes),
+    (SimpleAttentionNetwork, "new_cache", new_cache),
     (SimpleAttentionNetwork, "decode_step", decode_step),
     (SimpleAttentionNetwork, "_decode_logits", decode_logits),
 )
