@@ -363,6 +363,9 @@ def parity_command(
     suppress_special: Annotated[Optional[bool], typer.Option(
         "--suppress-special/--allow-special", help="Keep greedy generation off the special ids (default: only for the "
                                                    "embedded random model, which would stop at EOS at once).")] = None,
+    depth: Annotated[Optional[str], typer.Option(
+        "--depth", help="Needle 3: also compare the twins at ladder rung d (exit_depth and subnetwork_only logits), "
+                        "or at every rung 2..L with 'all'.")] = None,
     lora: Annotated[Optional[str], typer.Option(
         "--lora", help="Needle 2: a LoRA adapter (pickle or PEFT dir) for the checkpoint; compare its A/B gradients "
                        "(Flax: upstream's merge in the loss; torch: PEFT).")] = None,
@@ -387,7 +390,8 @@ def parity_command(
         lengths=family_options or {}, seed=seed, inputs=inputs, tokenizer=tokenizer, queries=tuple(query or ()),
         tools=tools, json_path=json_path, html_path=html_path, force=force, torch_device=torch_device,
         jax_platform=jax_platform, pin_precision=precision == "highest", grads=grads, generate=generate,
-        suppress_special=suppress_special, overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol), lora=lora))
+        suppress_special=suppress_special, overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol), lora=lora,
+        depth=depth))
     _show_report(report, quiet)
 
 

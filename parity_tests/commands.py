@@ -84,6 +84,7 @@ class ParityRequest:
     # for the embedded random v1 model, whose tied output otherwise echoes the fed token (EOS) and stops at step 0
     suppress_special: bool | None = None
     overrides: Overrides = Overrides()
+    depth: str | None = None  # `--depth d|all`: compare the twins at ladder rung d too, or at every rung
     lora: str | None = None  # an adapter file or PEFT directory for the checkpoint: its A/B gradients are compared
 
 
@@ -197,7 +198,7 @@ def parity(request: ParityRequest) -> Report:
                               "(upstream's has none); drop it")
     spec = resolve(adapter, config, dtype=r.dtype, mode=r.mode, profile=profile, torch_device=r.torch_device,
                    jax_platform=r.jax_platform, pin_precision=r.pin_precision, grads=r.grads, generate=r.generate,
-                   suppress_tokens=adapter.special_ids if suppress_special else None)
+                   suppress_tokens=adapter.special_ids if suppress_special else None, depth=r.depth)
     report = run(spec, models.flax_params, data, torch_params=models.torch_params, lora=lora_adapter,
                  model_info=info, seeds=seeds)
     write_outputs(report, ((r.json_path, to_json), (r.html_path, render_html)), r.force)

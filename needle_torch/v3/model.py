@@ -33,6 +33,7 @@ from convert.v3.ladder import ladder_layer_ranks
 from convert.v3.mapping import GROUPS, HEADS
 from needle_torch.layers import (
     TORCH_DTYPES,
+    Tap,
     ZCRMSNorm,
     apply_rope,
     make_causal_mask,
@@ -302,6 +303,7 @@ class Block(nn.Module):
         self.attn_gate = nn.Parameter(torch.zeros(()))
         self.pre_hada_norm = ZCRMSNorm(D)
         self.hadamard_mlp = HadamardMLP(config)
+        self.tap_attn_out, self.tap_mlp_out = Tap(), Tap()
 
     def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
                 quant: bool = False, engram_kv: tuple[Tensor, Tensor] | None = None,
@@ -314,9 +316,9 @@ class Block(nn.Module):
             alpha = torch.sigmoid(torch.einsum("btd,sbtd->sbt", rms_unit(x), rms_unit(ek)) / math.sqrt(x.shape[-1]))
             x = x + torch.einsum("s,sbt,sbtd->btd", site_flags, alpha, ev.float()).to(x.dtype)  # (B, T, D)
         skip = x
-        x = self.self_attn(self.pre_attn_norm(x), mask, rope, quant)
+        x = self.tap_attn_out(self.self_attn(self.pre_attn_norm(x), mask, rope, quant))
         x = skip + _sigmoid(self.attn_gate).to(self.compute_dtype) * self.post_attn_norm(x)
-        return x + self.hadamard_mlp(self.pre_hada_norm(x))
+        return x + self.tap_mlp_out(self.hadamard_mlp(self.pre_hada_norm(x)))
 
 
 def _lane_offsets(lane: int, n: int, device=None) -> tuple[Tensor, Tensor]:
@@ -344,6 +346,8 @@ class MHCLayer(nn.Module):
         self.a_pre = nn.Parameter(torch.empty(()))
         self.a_post = nn.Parameter(torch.empty(()))
         self.a_res = nn.Parameter(torch.empty(()))
+        self.tap_lanes_in, self.tap_hpre, self.tap_u, self.tap_hpost = Tap(), Tap(), Tap(), Tap()
+        self.tap_hres, self.tap_lanes_out = Tap(), Tap()
 
     def forward(self, lanes: Tensor, offsets: tuple[Tensor, Tensor], mask: Tensor | None = None,
                 rope: tuple[Tensor, Tensor] | None = None, quant: bool = False,
@@ -353,16 +357,20 @@ class MHCLayer(nn.Module):
         The routing runs in float32 on float32 copies of φ (a bf16 a_* or b_* promotes to float32)."""
         B, T, n, D = lanes.shape
         pre_off, post_off = offsets
+        lanes = self.tap_lanes_in(lanes)
         xf = lanes.float()
         nx = _aq(rms_unit(lanes.reshape(B, T, n * D)), quant, self.act_bits)  # (B, T, n·D) float32
-        hpre = torch.sigmoid(self.a_pre * F.linear(nx, self.phi_pre.weight.float()) + self.b_pre + pre_off)
-        u = torch.einsum("btn,btnc->btc", hpre, xf).to(self.compute_dtype)  # (B, T, D)
+        hpre = self.tap_hpre(torch.sigmoid(self.a_pre * F.linear(nx, self.phi_pre.weight.float()) + self.b_pre
+                                           + pre_off))  # (B, T, n)
+        u = self.tap_u(torch.einsum("btn,btnc->btc", hpre, xf).to(self.compute_dtype))  # (B, T, D)
         y = self.block(u, mask, rope, quant, engram_kv, site_flags) - u
-        hpost = 2 * torch.sigmoid(self.a_post * F.linear(nx, self.phi_post.weight.float()) + self.b_post + post_off)
+        hpost = self.tap_hpost(2 * torch.sigmoid(self.a_post * F.linear(nx, self.phi_post.weight.float())
+                                                 + self.b_post + post_off))
         res = F.linear(nx, self.phi_res.weight.float())  # (B, T, n·n)
-        hres = sinkhorn(self.a_res * res.reshape(B, T, n, n) + self.b_res)  # (B, T, n, n)
-        return (torch.einsum("btij,btjc->btic", hres, xf)
-                + hpost[..., None] * y.float()[:, :, None, :]).to(self.compute_dtype)  # (B, T, n, D)
+        hres = self.tap_hres(sinkhorn(self.a_res * res.reshape(B, T, n, n) + self.b_res))  # (B, T, n, n)
+        out = (torch.einsum("btij,btjc->btic", hres, xf)
+               + hpost[..., None] * y.float()[:, :, None, :]).to(self.compute_dtype)  # (B, T, n, D)
+        return self.tap_lanes_out(out)
 
 
 class Stack(nn.Module):
@@ -377,6 +385,7 @@ class Stack(nn.Module):
         self.compute_dtype = TORCH_DTYPES[config.dtype]
         self.layers = nn.ModuleList(MHCLayer(config) for _ in range(config.num_layers))
         self.final_norm = ZCRMSNorm(config.d_model)
+        self.tap_final_hidden = Tap()
 
     def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
                 engram_kv: tuple[Tensor, Tensor] | None = None, collect_hidden: bool = False, quant: bool = False,
@@ -416,7 +425,7 @@ class Stack(nn.Module):
             both = self.final_norm(torch.cat([full.mean(dim=2), sub.mean(dim=2)], dim=0))  # (2B, T, D)
             x, sub_x = both.split(B, dim=0)
             return x, hidden, sub_x
-        return self.final_norm(full.mean(dim=2)), hidden
+        return self.tap_final_hidden(self.final_norm(full.mean(dim=2))), hidden
 
 
 # ----------------------------------------------------------------------------- heads
@@ -540,6 +549,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         self.embed_scale = math.sqrt(config.d_model)
         self.stack = Stack(config)
         self.engrams = nn.ModuleList(Engram(config) for _ in config.engram_layers)
+        self.tap_embed, self.tap_engram_k, self.tap_engram_v = Tap(), Tap(), Tap()
         if "embedding_head" in self.groups:
             self.embedding_head = EmbeddingHead(config)
         if "confidence_head" in self.groups:
@@ -629,9 +639,11 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         tokens count as tokens, as upstream's)."""
         if mask is None:
             mask = make_causal_mask(tokens.shape[1], tokens.device)
-        x = self._input_embeddings(tokens)
+        x = self.tap_embed(self._input_embeddings(tokens))
         rope = self._rope(tokens.shape[1], tokens.device)
         engram_kv = self._engram_kv(tokens, mask, quant)
+        if engram_kv is not None:
+            engram_kv = (self.tap_engram_k(engram_kv[0]), self.tap_engram_v(engram_kv[1]))
         out = self.stack(x, mask, rope, engram_kv, quant=quant, exit_depth=exit_depth, subnetwork_only=subnetwork_only)
         if subnetwork_only or exit_depth is None:
             return self._logits(out[0], quant)
