@@ -53,13 +53,26 @@ def compare_probes(table: list[probes.Probe], test: Mapping[str, np.ndarray],
     return out
 
 
-def depth_note(report: Report, depths: Sequence[int]) -> str:
-    """Whether the twins agree at each compared depth rung (its probes are named `depth{d}.*`)."""
+def depth_note(report: Report, depths: Sequence[int], ref: Mapping[str, np.ndarray],
+               test: Mapping[str, np.ndarray]) -> str:
+    """Whether the twins agree at each compared depth rung (its probes are named `depth{d}.*`), and how close each
+    twin's sliced rung model (`depth{d}.sliced_logits`, where the family has one) comes to its own
+    subnetwork_only logits: the same function computed two ways, so it should hold to the probes' budget too."""
     failed = [d for d in depths if not all(p.passed for p in report.probes if p.name.startswith(f"depth{d}."))]
     rungs = ", ".join(map(str, depths))
     if not failed:
-        return f"depth rungs {rungs}: the twins agree on every rung (exit_depth and subnetwork_only logits)"
-    return f"depth rungs {rungs}: the twins disagree at rung(s) {', '.join(map(str, failed))}"
+        note = f"depth rungs {rungs}: the twins agree on every rung"
+    else:
+        note = f"depth rungs {rungs}: the twins disagree at rung(s) {', '.join(map(str, failed))}"
+    budget = report.profile.drift.max_rel
+    sliced = [d for d in depths if f"depth{d}.sliced_logits" in ref]
+    if sliced:
+        worst = {side: max(metrics.max_rel(vals[f"depth{d}.sliced_logits"], vals[f"depth{d}.sub_logits"])
+                           for d in sliced) for side, vals in (("Flax", ref), ("torch", test))}
+        agree = "agree" if max(worst.values()) <= budget else "DISAGREE"
+        note += (f"; sliced rung models vs subnetwork_only logits (rungs {', '.join(map(str, sliced))}): {agree}, "
+                 f"worst max rel Flax {worst['Flax']:.2e}, torch {worst['torch']:.2e} (budget {budget:.2e})")
+    return note
 
 
 def count_params(params: Mapping[str, Any]) -> int:
@@ -162,7 +175,7 @@ def run(spec: RunSpec, flax_params: Mapping[str, Any], batch: Batch, *,
     if spec.note:
         report.notes.append(spec.note)
     if spec.depths:
-        report.notes.append(depth_note(report, spec.depths))
+        report.notes.append(depth_note(report, spec.depths, ref, test))
     if spec.mode == "propagated" and report.first_divergence is not None:
         report.notes.append("propagated errors include drift from every earlier stage; --mode isolated feeds each "
                             "torch stage the Flax input and shows that stage's own error")

@@ -180,12 +180,16 @@ class MultiHeadAttention(nn.Module):
         q = _dense(H * hq, dt, "q_proj")(x)  # (B, T, H·hq)
         k = _dense(K * hq, dt, "k_proj")(x)  # (B, T, K·hq)
         v = _dense(K * hv, dt, "v_proj")(x)  # (B, T, K·hv)
+        for name, value in (("q", q), ("k", k), ("v", v)):
+            self.sow(PROBES, name, value)
         if tau:
             taps = [self.param(f"{p}_taps", _taps_init, (tau, w)).astype(dt)
                     for p, w in (("q", H * hq), ("k", K * hq), ("v", K * hv))]
             # The layer's own mask (window or global) decides which past positions a tap may read.
             tap_ok = None if mask is None else jnp.stack([mask_diag(mask, j) for j in range(tau)]).astype(q.dtype)
             q, k, v = (conv_taps(z, t, tap_ok) for z, t in zip((q, k, v), taps, strict=True))
+            for name, value in (("q_conv", q), ("k_conv", k), ("v_conv", v)):
+                self.sow(PROBES, name, value)
 
         q = q.reshape(B, -1, H, hq).transpose(0, 2, 1, 3)  # (B, H, T, hq)
         k = k.reshape(B, -1, K, hq).transpose(0, 2, 1, 3)  # (B, K, T, hq)
@@ -290,6 +294,7 @@ class Block(nn.Module):
             ek, ev = engram_kv  # (G, B, T, D) each
             # Upstream's einsum strings verbatim (s = site), so jnp.einsum plans the contraction the same way.
             alpha = nn.sigmoid(jnp.einsum("btd,sbtd->sbt", rms_unit(x), rms_unit(ek)) / math.sqrt(cfg.d_model))
+            self.sow(PROBES, "engram_gate", alpha)  # (G, B, T)
             # Every site is summed, weighted by whether it belongs to this layer (site_flags (G,)), in f32.
             x = x + jnp.einsum("s,sbt,sbtd->btd", site_flags.astype(jnp.float32), alpha,
                                ev.astype(jnp.float32)).astype(x.dtype)
@@ -504,12 +509,14 @@ class ProbeHead(nn.Module):
         name = self.key.removesuffix("_head")
         L1, D = cells.shape[2], cells.shape[3]
         k, Q = getattr(self.config, f"{name}_probes"), getattr(self.config, f"{name}_queries")
-        return probe_pool(cells, keep,
-                          head_weight(self.param("probes", default_init(), (L1, k, D)), quant),
-                          self.param("gain", jinit.ones, (L1, k)),
-                          head_weight(self.param("query", default_init(), (Q, D)), quant),
-                          self.param("row_bias", jinit.zeros, (Q, L1, k)),
-                          row_keep, compute_dtype(self.config))
+        out = probe_pool(cells, keep,
+                         head_weight(self.param("probes", default_init(), (L1, k, D)), quant),
+                         self.param("gain", jinit.ones, (L1, k)),
+                         head_weight(self.param("query", default_init(), (Q, D)), quant),
+                         self.param("row_bias", jinit.zeros, (Q, L1, k)),
+                         row_keep, compute_dtype(self.config))
+        self.sow(PROBES, "pooled", out)
+        return out
 
     @nn.compact
     def __call__(self, cells, keep=None, row_keep=None, quant=False):

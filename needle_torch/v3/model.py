@@ -188,6 +188,8 @@ class MultiHeadAttention(nn.Module):
             self.q_taps = nn.Parameter(torch.empty(tau, H * hq))
             self.k_taps = nn.Parameter(torch.empty(tau, K * hq))
             self.v_taps = nn.Parameter(torch.empty(tau, K * hv))
+            self.tap_q_conv, self.tap_k_conv, self.tap_v_conv = Tap(), Tap(), Tap()
+        self.tap_q, self.tap_k, self.tap_v = Tap(), Tap(), Tap()
         self.q_norm = ZCRMSNorm(hq)
         self.k_norm = ZCRMSNorm(hq)
         self.gate_proj = _Dense(D, H * hv, dt)
@@ -200,12 +202,14 @@ class MultiHeadAttention(nn.Module):
         H, K, hq, hv, dt = self.num_heads, self.num_kv_heads, self.hq, self.hv, self.compute_dtype
         x = _aq(x, quant, self.config.act_bits)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H·hq), (B, T, K·hq), (B, T, K·hv)
+        q, k, v = self.tap_q(q), self.tap_k(k), self.tap_v(v)
         if self.config.qkv_conv_taps:
             tap_ok = [None] + [None if mask is None else mask_diag(mask, j)[..., None].to(q.dtype)
                                for j in range(1, self.config.qkv_conv_taps)]  # (B|1, T, 1) each
             q = conv_taps(q, self.q_taps.to(dt), tap_ok)
             k = conv_taps(k, self.k_taps.to(dt), tap_ok)
             v = conv_taps(v, self.v_taps.to(dt), tap_ok)
+            q, k, v = self.tap_q_conv(q), self.tap_k_conv(k), self.tap_v_conv(v)
         q = q.reshape(B, T, H, hq).transpose(1, 2)  # (B, H, T, hq)
         k = k.reshape(B, T, K, hq).transpose(1, 2)  # (B, K, T, hq)
         v = v.reshape(B, T, K, hv).transpose(1, 2)  # (B, K, T, hv)
@@ -303,7 +307,7 @@ class Block(nn.Module):
         self.attn_gate = nn.Parameter(torch.zeros(()))
         self.pre_hada_norm = ZCRMSNorm(D)
         self.hadamard_mlp = HadamardMLP(config)
-        self.tap_attn_out, self.tap_mlp_out = Tap(), Tap()
+        self.tap_attn_out, self.tap_mlp_out, self.tap_engram_gate = Tap(), Tap(), Tap()
 
     def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
                 quant: bool = False, engram_kv: tuple[Tensor, Tensor] | None = None,
@@ -313,7 +317,8 @@ class Block(nn.Module):
         if engram_kv is not None:
             ek, ev = engram_kv
             # α[g] = σ(⟨rms_unit(x), rms_unit(ek[g])⟩/√D) for every site, in float32; the flags pick this layer's.
-            alpha = torch.sigmoid(torch.einsum("btd,sbtd->sbt", rms_unit(x), rms_unit(ek)) / math.sqrt(x.shape[-1]))
+            alpha = self.tap_engram_gate(torch.sigmoid(torch.einsum("btd,sbtd->sbt", rms_unit(x), rms_unit(ek))
+                                                       / math.sqrt(x.shape[-1])))  # (G, B, T)
             x = x + torch.einsum("s,sbt,sbtd->btd", site_flags, alpha, ev.float()).to(x.dtype)  # (B, T, D)
         skip = x
         x = self.tap_attn_out(self.self_attn(self.pre_attn_norm(x), mask, rope, quant))
@@ -483,10 +488,12 @@ class ProbeHead(nn.Module):
         self.query = nn.Parameter(torch.empty(Q, D))
         self.row_bias = nn.Parameter(torch.empty(Q, L1, k))
         self.proj = HeadProjection(Q * D, out_dim or self.out_dim, use_bias, self.compute_dtype)
+        self.tap_pooled = Tap()
 
     def pooled(self, cells: Tensor, keep: Tensor | None, row_keep: Tensor | None, quant: bool = False) -> Tensor:
-        return probe_pool(cells, keep, head_weight(self.probes, quant), self.gain, head_weight(self.query, quant),
-                          self.row_bias, row_keep, self.compute_dtype)
+        return self.tap_pooled(probe_pool(cells, keep, head_weight(self.probes, quant), self.gain,
+                                          head_weight(self.query, quant), self.row_bias, row_keep,
+                                          self.compute_dtype))  # (B, Q·D) in dt
 
     def forward(self, cells: Tensor, keep: Tensor | None = None, row_keep: Tensor | None = None,
                 quant: bool = False) -> Tensor:

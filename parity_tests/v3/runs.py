@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from convert.errors import NeedleTwinError
+from convert.mapping import torch_to_flax
 from convert.rules import TORCH
 from convert.trees import flatten_tree
 from convert.v3.config import TransformerConfig
 from convert.v3.family import FAMILY
+from convert.v3.ladder import ladder_config, ladder_slice
 from needle_flax import layers as flax_layers
 from needle_flax.v3 import SimpleAttentionNetwork as FlaxModel
 from needle_torch import layers as torch_layers
@@ -35,6 +37,15 @@ from parity_tests.v3.probes import DEFAULT_PASSES, HEADS, probe_table
 
 def torch_model(tree: Mapping[str, Any], config: TransformerConfig, dtype: str) -> TorchModel:
     return TorchModel.from_flax(tree, config, dtype)
+
+
+def sliced_model(twins: Twins, depth: int) -> TorchModel:
+    """The torch twin's rung `depth` as a model of its own: its own weights (a --torch file's, when given) sliced as
+    `needle build --layers` slices a checkpoint."""
+    config = twins.config
+    tree = torch_to_flax(twins.torch_model.state_dict(), config)
+    return torch_model(ladder_slice(tree, config, depth), ladder_config(config, depth), config.dtype
+                       ).to(twins.torch_device).eval()
 
 
 def parse_depth(config: TransformerConfig, depth: str | None) -> tuple[int, ...]:
@@ -71,7 +82,8 @@ def _passes(probe_list: list[probes.Probe]) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=16)
 def _flax_passes(config: TransformerConfig, passes: tuple[str, ...]):
-    """jit(params, tokens) -> {pass: intermediates}; return values are added under their probe names."""
+    """jit(params, tokens) -> {pass: intermediates}; return values are added under their probe names. One function
+    for all passes: XLA compiles it in less time than the passes compiled one by one."""
     model, pad = FlaxModel(config), config.pad_token_id
     mutable = [flax_layers.PROBES]
 
@@ -85,13 +97,17 @@ def _flax_passes(config: TransformerConfig, passes: tuple[str, ...]):
             elif name == "cells":
                 out[name] = {"hidden_cells": (model.apply({"params": params}, tokens, method="hidden_cells"),)}
             elif name in HEADS:
-                value = model.apply({"params": params}, tokens, method=f"forward_{name}")
-                out[name] = {name: (value,)}
+                value, col = model.apply({"params": params}, tokens, method=f"forward_{name}", mutable=mutable)
+                out[name] = {**col[flax_layers.PROBES], name: (value,)}
             else:  # depth{d}
                 d = int(name.removeprefix("depth"))
                 _, exit_logits = model.apply({"params": params}, tokens, mask, exit_depth=d)
                 sub = model.apply({"params": params}, tokens, mask, exit_depth=d, subnetwork_only=True)
                 out[name] = {f"{name}.exit_logits": (exit_logits,), f"{name}.sub_logits": (sub,)}
+                if d < config.num_layers:  # the rung as a model of its own
+                    rung = FlaxModel(ladder_config(config, d))
+                    sliced = rung.apply({"params": ladder_slice(params, config, d)}, tokens, mask)
+                    out[name][f"{name}.sliced_logits"] = (sliced,)
         return out
 
     return jax.jit(run)
@@ -120,8 +136,11 @@ def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray
         if name in HEADS:
             return {name: getattr(model, f"forward_{name}")(tokens)}
         d = int(name.removeprefix("depth"))
-        return {f"{name}.exit_logits": model(tokens, mask, exit_depth=d)[1],
-                f"{name}.sub_logits": model(tokens, mask, exit_depth=d, subnetwork_only=True)}
+        out = {f"{name}.exit_logits": model(tokens, mask, exit_depth=d)[1],
+               f"{name}.sub_logits": model(tokens, mask, exit_depth=d, subnetwork_only=True)}
+        if d < twins.config.num_layers:
+            out[f"{name}.sliced_logits"] = sliced_model(twins, d)(tokens, mask)
+        return out
 
     out: dict[str, np.ndarray] = {}
     with torch.no_grad():  # not inference_mode: the Monarch MLP caches its permutations for later autograd runs
