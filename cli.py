@@ -36,7 +36,7 @@ __version__ = _package_version()
 
 app = typer.Typer(
     name="needle-twin",
-    help="Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2).",
+    help="Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2, Needle 3).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -129,7 +129,7 @@ def _root(
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
     ] = None,
 ) -> None:
-    """Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2)."""
+    """Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2, Needle 3)."""
 
 
 # --- convert commands: convert, inspect, diff ---
@@ -333,7 +333,7 @@ def parity_command(
         "--torch", help="Check this independently converted torch checkpoint instead of converting in memory.")] = None,
     family: Annotated[Optional[str], typer.Option(
         "--family", help=f"The embedded default model's family when no checkpoint is given: "
-                         f"{', '.join(FAMILIES)} (default v2, Needle 2 'base', 45M).")] = None,
+                         f"{', '.join(FAMILIES)} (default v3, Needle 3 at upstream's default config, 127.2M).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype of both twins: float32, bfloat16, float16.")
                      ] = "float32",
     mode: Annotated[str, typer.Option("--mode", help="propagated: both run end to end (drift budget); isolated: "

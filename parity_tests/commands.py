@@ -27,7 +27,7 @@ from parity_tests.report import rescore as rescore_report
 from parity_tests.tolerances import device_class, get_profile, profile_by_name, with_overrides
 
 EMBEDDED_MODEL_SEED = 0  # the embedded default: random_flax_params(<family>.published, seed=0)
-DEFAULT_FAMILY = "v2"  # the family of the embedded default model (`--family`): Needle 2, what users download
+DEFAULT_FAMILY = "v3"  # the family of the embedded default model (`--family`): Needle 3 at upstream's default size
 
 
 @dataclass(frozen=True)
