@@ -364,8 +364,8 @@ def parity_command(
         "--suppress-special/--allow-special", help="Keep greedy generation off the special ids (default: only for the "
                                                    "embedded random model, which would stop at EOS at once).")] = None,
     depth: Annotated[Optional[str], typer.Option(
-        "--depth", help="Needle 3: also compare the twins at ladder rung d (exit_depth and subnetwork_only logits), "
-                        "or at every rung 2..L with 'all'.")] = None,
+        "--depth", help="Needle 3: also compare the twins at ladder rung d (exit_depth and subnetwork_only logits, "
+                        "and the sliced rung model), or at every rung 2..L with 'all'.")] = None,
     lora: Annotated[Optional[str], typer.Option(
         "--lora", help="Needle 2: a LoRA adapter (pickle or PEFT dir) for the checkpoint; compare its A/B gradients "
                        "(Flax: upstream's merge in the loss; torch: PEFT).")] = None,
