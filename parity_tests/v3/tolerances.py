@@ -1,8 +1,9 @@
 """Needle 3's tolerance budgets, with the measurements and the reasoning behind every number.
 
 Measured by running both twins through the engine (CPU, precision pinned) on upstream's goldens in tests/data/v3
-(needle-v3-tiny, flashsplit, mqa, noengram, window: 4-5 layers, 3-4 lanes, with and without engram sites, conv
-taps, flash with split head dims, MQA, sliding windows; seeded random batch 4 x 32) and on the embedded default
+(needle-v3-tiny, flashsplit, mqa, noengram: 4-5 layers, 3-4 lanes, with and without engram sites and conv taps,
+flash with split head dims, MQA, sliding windows; seeded random batch 4 x 32; `window` passes the same budgets in
+parity_tests/test_parity_v3.py but was not part of these figures) and on the embedded default
 (Needle 3 at upstream's default config, 127.2M, 20 layers; batch 4 x 64). (rel L2, max|t-f|/max|f|) of the worst
 probe; KL is the worst per-token KL(p_flax || p_torch) of the logits; grads_total is the whole gradient as one
 vector, grads_param the worst single parameter (rel L2).
