@@ -44,6 +44,9 @@ BF16_REL = 1.5e-2
 GREEDY = tuple(n for n in goldens.NAMES if goldens.load(n).has("f32/greedy_tokens"))
 FIXTURE = "needle-v3-tiny"
 G = 30  # new tokens in the batch tests: 20 + 30 > the fixture's window of 8, within its max_seq_len of 64
+# One worker for the module under --dist loadgroup: jit caches per process, and most Flax tests here reuse the
+# fixture's compiled loops and forwards (a shape and its static options compile once).
+pytestmark = pytest.mark.xdist_group("flax-v3-generate")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -266,11 +269,12 @@ def test_the_torch_streamer_sees_every_step_in_order(fx):
 
 @pytest.mark.parametrize("twin", TWINS)
 def test_sampling_is_seeded_reproducible_and_shared_with_the_recompute_loop(twin, fx):
+    """G new tokens, the batch tests' length: the recompute loop reuses their compiled forward (Flax)."""
     kw = dict(eos_token_id=None, temperature=2.0)
-    a, = run(fx, twin, "cached", fx["batch"], 12, seed=7, **kw)
-    b, = run(fx, twin, "cached", fx["batch"], 12, seed=7, **kw)
-    c, = run(fx, twin, "cached", fx["batch"], 12, seed=8, **kw)
-    ref, = run(fx, twin, "recompute", fx["batch"], 12, seed=7, **kw)
+    a, = run(fx, twin, "cached", fx["batch"], G, seed=7, **kw)
+    b, = run(fx, twin, "cached", fx["batch"], G, seed=7, **kw)
+    c, = run(fx, twin, "cached", fx["batch"], G, seed=8, **kw)
+    ref, = run(fx, twin, "recompute", fx["batch"], G, seed=7, **kw)
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a, ref)
     assert not np.array_equal(a, c)
