@@ -132,10 +132,10 @@ def engram_parts(cfg: TransformerConfig) -> tuple[int, int]:
     return tables, cfg.num_sites * (2 * N * cfg.engram_sub_dim * cfg.d_model + 4 * cfg.d_model)
 
 
-def bandwidth() -> tuple[float, str]:
+def bandwidth(mib: int = 256) -> tuple[float, str]:
     from benchmarks.bandwidth import copy_bandwidth, numpy_copy_bandwidth
 
-    numpy_bw, torch_bw = numpy_copy_bandwidth(), copy_bandwidth()
+    numpy_bw, torch_bw = numpy_copy_bandwidth(mib), copy_bandwidth(mib)
     return max(numpy_bw, torch_bw), f"numpy {numpy_bw / 1e9:.1f} GB/s, torch {torch_bw / 1e9:.1f} GB/s"
 
 
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     base = TransformerConfig(**QUICK_FIELDS) if args.quick else TransformerConfig()
     size = count_parameters(base, groups=())
     print(load_line("at the start"), flush=True)
-    bw, how = bandwidth()
+    bw, how = bandwidth(32 if args.quick else 256)  # --quick: a smoke run, its figures mean nothing
     print(f"{cpu_name()}; flags {' '.join(f for f in FLAGS if f in flags)}; torch {torch.__version__} "
           f"({torch.get_num_threads()} threads); copy bandwidth {how}: using {bw / 1e9:.1f} GB/s", flush=True)
     print(f"{'quick config' if args.quick else 'upstream default config'} ({size / 1e6:.1f}M params), "
