@@ -10,6 +10,7 @@ of a second.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import inspect
 import json
@@ -115,6 +116,16 @@ def generate_options_of(family, given: dict) -> dict:
         raise NeedleTwinError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to "
                               f"{family.title} generation; drop it")
     return {name: given[name] for name in mine}
+
+
+def family_hook(family, kind: str, key: str) -> Callable | None:
+    """A family's own CLI command or twin runner (`Family.commands` / `Family.runners`, "module:name"), imported
+    now; None when the family declares none."""
+    target = getattr(family, kind).get(key)
+    if target is None:
+        return None
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _version(value: bool) -> None:
@@ -427,8 +438,8 @@ def rescore_command(
     Without options a parity report gets its own profile again. Exit code 0 / 1 / 2 as for `parity` and `quant`.
     """
     if _report_schema(report_path) == "needle-twin/quant-report":
-        from parity_tests.v2 import quant
-        from parity_tests.v2.quant_report import render_terminal, verdict_text
+        from parity_tests import quant
+        from parity_tests.quant_report import render_terminal, verdict_text
 
         if any(v is not None for v in (profile, rtol, atol, kl_max, grad_rtol)):
             raise NeedleTwinError("--profile, --rtol, --atol, --kl-max and --grad-rtol re-judge parity reports; a "
@@ -462,7 +473,7 @@ def _report_schema(path: str) -> str | None:
 @app.command("quant")
 @guarded
 def quant_command(
-    float_ckpt: Annotated[str, typer.Argument(metavar="FLOAT_CKPT", help="The float Needle 2 checkpoint.")],
+    float_ckpt: Annotated[str, typer.Argument(metavar="FLOAT_CKPT", help="The float Needle 2 or 3 checkpoint.")],
     cact: Annotated[Optional[str], typer.Option("--cact", help="A .cact build of it to judge.")] = None,
     bits: Annotated[Optional[str], typer.Option(
         "--bits", help="Or quantise it here: 2, 3, 4, 1.58, or a bits map such as default=2,embedding=4.")] = None,
@@ -476,6 +487,9 @@ def quant_command(
     seq_len: Annotated[int, typer.Option("--seq-len", help="Length of the random batch.")] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random batch.")] = 0,
     steps: Annotated[int, typer.Option("--steps", help="Greedy steps both models decode (0 = none).")] = 8,
+    depth: Annotated[Optional[str], typer.Option(
+        "--depth", help="Needle 3: ladder rungs to judge against the full float model: all, or depths such as 2,4.")
+                     ] = None,
     max_kld: Annotated[Optional[float], typer.Option(
         "--max-kld", help="Fail (exit 1) when the KL mean (see --kld-stat) exceeds this.")] = None,
     min_top1: Annotated[Optional[float], typer.Option(
@@ -493,10 +507,27 @@ def quant_command(
     """Does the quantised build still decide what the float model decided? KL, top-1, greedy agreement, and the
     layers and tensors that cost most (each layer quantised alone; per-tensor SQNR). torch only, no JAX.
 
-    Exit code 0, or 1 when a --max-kld / --min-top1 threshold fails, 2 on bad input."""
+    Needle 3: three-way, float / upstream's deploy fake-quant / the .cact as read, with the cost of each deploy
+    site and, with --depth, of each ladder rung. Exit code 0, or 1 when a --max-kld / --min-top1 threshold fails,
+    2 on bad input."""
+    from parity_tests.quant_report import render_terminal, verdict_text
     from parity_tests.v2 import quant
-    from parity_tests.v2.quant_report import render_terminal, verdict_text
 
+    if _checkpoint_family(float_ckpt) == "v3":
+        from parity_tests.v3 import quant as v3_quant
+
+        if dtype != "float32":
+            raise NeedleTwinError("Needle 3's quant report runs float32 only (its deploy numerics are float32); drop "
+                                  "--dtype")
+        report = v3_quant.quant(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len,
+                                seed=seed, steps=steps, depth=depth, lora=lora, json_path=json_path,
+                                html_path=html_path, force=force, max_kld=max_kld, min_top1=min_top1,
+                                kld_stat=kld_stat, device=device)
+        console = _report_console()
+        console.print(verdict_text(report)) if quiet else render_terminal(report, console)
+        raise typer.Exit(report.exit_code)
+    if depth is not None:
+        raise NeedleTwinError("--depth judges Needle 3 ladder rungs; this checkpoint is not Needle 3")
     report = quant.quant(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed,
                          steps=steps, lora=lora, json_path=json_path, html_path=html_path, force=force,
                          max_kld=max_kld, min_top1=min_top1, kld_stat=kld_stat, device=device, dtype=dtype)
@@ -506,6 +537,16 @@ def quant_command(
     else:
         render_terminal(report, console)
     raise typer.Exit(report.exit_code)
+
+
+def _checkpoint_family(path: str) -> str | None:
+    """The family a checkpoint file names (None when it cannot be read: the command's own checks say why)."""
+    from convert.io import open_source, source_family
+
+    try:
+        return source_family(open_source(path)).name
+    except (NeedleTwinError, OSError, ValueError):
+        return None
 
 
 # --- generate command ---
@@ -519,11 +560,12 @@ def generate_command(
                                              "the family is read from the file.")],
     tokens: Annotated[Optional[str], typer.Option(
         "--tokens", help="The input as token ids, e.g. '2 391 385' (or comma-separated): v1's encoder input; "
-                         "Needle 2's prompt, used as given (upstream's prompts start with BOS, id 2).")] = None,
+                         "Needle 2's and Needle 3's prompt, used as given (upstream's prompts start with BOS, id 2).")
+    ] = None,
     query: Annotated[Optional[str], typer.Option("--query", help="Query text (needs --tokenizer).")] = None,
     tools: Annotated[Optional[str], typer.Option(
-        "--tools", help="The tools: a JSON list, inline or a .json file (Needle 2), or a JSON string (v1). Default "
-                        "[].")] = None,
+        "--tools", help="The tools: a JSON list, inline or a .json file (Needle 2, Needle 3), or a JSON string "
+                        "(v1). Default [].")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(
         "--tokenizer", help="SentencePiece .model: encodes --query/--tools and decodes the output to text.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="torch (cached KV) or flax (jitted cached loop).")
@@ -537,8 +579,8 @@ def generate_command(
         "--compile", help="torch: the fast decoding step (compiled on the first call, cached on disk after).")] = False,
     family_options: Optional[dict] = None,
 ) -> None:
-    """Decode with the cached decoder, printing tokens as they come (text too with --tokenizer; Needle 2 also
-    prints the tool call it finds)."""
+    """Decode with the cached decoder, printing tokens as they come (text too with --tokenizer; Needle 2 and 3 also
+    print the tool call they find, Needle 3 the prompt's confidence and router values)."""
     from convert.errors import GenerationError
     from convert.io import read_checkpoint
     from parity_tests.adapter import GenerateRequest
@@ -549,10 +591,52 @@ def generate_command(
     if query is not None and tokenizer is None:
         raise GenerationError("--query needs --tokenizer PATH (the SentencePiece .model) to become token ids")
     checkpoint = read_checkpoint(ckpt)
-    options = generate_options_of(checkpoint.family, family_options or {})
+    family = checkpoint.family
+    options = generate_options_of(family, family_options or {})
     request = GenerateRequest(tokens=tokens, query=query, tools=tools, tokenizer=tokenizer, backend=backend,
                               max_new_tokens=max_new_tokens, dtype=dtype, compile=compile)
-    adapter_named(checkpoint.family.name).generate(checkpoint, request, options)
+    run = family_hook(family, "commands", "generate")
+    if run is None:
+        adapter_named(family.name).generate(checkpoint, request, options)
+    else:
+        run(checkpoint, request, options, _runner(family, backend))
+
+
+def _runner(family, backend: str) -> Callable:
+    """The family's twin runner for --backend; an error naming the backends it has."""
+    runner = family_hook(family, "runners", backend)
+    if runner is None:
+        raise NeedleTwinError(f"--backend {backend!r} is unknown for {family.title}; use "
+                              f"{' or '.join(family.runners)}")
+    return runner
+
+
+# --- embed command ---
+
+
+@app.command("embed")
+@guarded
+def embed_command(
+    ckpt: Annotated[str, typer.Argument(help="Checkpoint with an embedding head (Needle 3; .cact too).")],
+    texts: Annotated[list[str], typer.Argument(help="The texts, one vector each.")],
+    tokenizer: Annotated[str, typer.Option("--tokenizer", help="SentencePiece .model the texts are encoded with.")],
+    backend: Annotated[str, typer.Option("--backend", help="torch or flax.")] = "torch",
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", help="Compute dtype: float32, bfloat16, float16 (default: the checkpoint config's).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the vectors and similarities as JSON.")] = False,
+) -> None:
+    """Sentence embeddings: each text's unit vector (upstream's forward_embedding on [BOS] + its ids) and the
+    texts' cosine similarities."""
+    from convert.generation import EmbedRequest
+    from convert.io import read_checkpoint
+
+    checkpoint = read_checkpoint(ckpt)
+    family = checkpoint.family
+    run = family_hook(family, "commands", "embed")
+    if run is None:
+        having = [f.title for f in FAMILIES.values() if "embed" in f.commands]
+        raise NeedleTwinError(f"{family.title} has no embedding head; `needle-twin embed` runs {', '.join(having)}")
+    run(checkpoint, EmbedRequest(texts, tokenizer, backend, dtype, as_json), _runner(family, backend))
 
 
 def main() -> None:

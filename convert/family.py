@@ -57,6 +57,11 @@ class Family:
     hint: Callable[[set[str], Any], str | None] | None = None
     parity_options: tuple[CliOption, ...] = ()  # `parity`'s random-batch lengths (their defaults: the batch's)
     generate_options: tuple[CliOption, ...] = ()  # `generate` options only this family's decoding takes
+    # CLI commands a family runs itself, as "module:function" (imported only when run, so the registry stays free of
+    # torch and jax): "generate" (checkpoint, request, options, runner) and "embed" (checkpoint, request, runner).
+    commands: Mapping[str, str] = field(default_factory=dict)
+    # The twins' runners those commands drive, per backend ("torch", "flax"), as "module:class" (params, config).
+    runners: Mapping[str, str] = field(default_factory=dict)
     _patterns: dict = field(default_factory=dict, compare=False, repr=False)
 
     def table(self, config: Any, groups: Iterable[str] | None = None) -> ParamTable:

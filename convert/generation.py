@@ -6,7 +6,8 @@ one-line message whichever backend runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -127,3 +128,14 @@ def parse_token_ids(text: str) -> list[int]:
     if not ids:
         raise GenerationError("--tokens is empty; give at least one encoder token id, e.g. --tokens '391 385 418'")
     return ids
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """`needle-twin embed`'s options, as a family's embed command receives them."""
+
+    texts: Sequence[str]
+    tokenizer: str  # a SentencePiece .model
+    backend: str  # torch or flax
+    dtype: str | None  # None: the checkpoint config's
+    as_json: bool

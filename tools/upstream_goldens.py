@@ -11,6 +11,11 @@ For every config NAME in CONFIGS it writes into --out (default tests/data/v3/):
   NAME.command              the command line, versions, and what the config covers
   NAME.lora.safetensors     LoRA adapter (configs with "lora")
   NAME.rung{d}.safetensors  the depth-d rung `F.rung` produces (configs with "rung")
+and, from the shared fixture needle-v3-tiny (its checkpoint and its SentencePiece model):
+  needle-v3-tiny.text.npz   texts through upstream's tokenizer, then the three heads on them
+  needle-v3-tiny.text.command
+  needle-v3-tiny.window.npz greedy decoding under a kv window with sinks (hidden_cells' mask through __call__)
+  needle-v3-tiny.window.command
 
 Names: A architecture, C checkpoints, R run, F finetune, Q quantize (upstream modules).
 bf16 means config dtype "bfloat16" AND every param cast to bfloat16 first.
@@ -34,6 +39,7 @@ import needle.model.checkpoints as C  # noqa: E402
 import needle.model.finetune as F  # noqa: E402
 import needle.model.quantize as Q  # noqa: E402
 import needle.model.run as R  # noqa: E402
+import needle.model.tokenizer as TK  # noqa: E402
 
 PAD, EOS, BOS = 0, 1, 2
 FIRST_ID = 20              # ids 0-19 are special (PAD, EOS, BOS, UNK, 16 chat markers)
@@ -504,6 +510,112 @@ def copy_shared_fixture(out_dir, argv, src=SHARED_FIXTURE):
         fh.write("\n".join(lines) + "\n")
 
 
+TEXTS = ["The most surprising thing about", "a cat sat on the mat", "ein Hund läuft im Park",
+         "weather in Paris tomorrow", "", "   spaces   and\nnewlines"]
+TEXT_EXAMPLE = {"query": "What's the weather in Paris?",
+                "tools": [{"name": "get_weather", "parameters": {"city": {"type": "string"}}}]}
+
+
+def text_goldens(out_dir, argv, vers, src=SHARED_FIXTURE):
+    """needle-v3-tiny.text.npz: upstream's tokenizer on TEXTS and on a rendered prompt, then forward_embedding,
+    forward_confidence and forward_router (float32 config and params) on [BOS] + ids, right-padded with PAD (the
+    heads pool over non-pad tokens under causal & key-not-pad), in one batch and each text alone."""
+    name = "needle-v3-tiny"
+    ckpt = os.path.join(src, f"{name}.safetensors")
+    params, cfg = R.load_checkpoint(ckpt)
+    cfg = with_dtype(cfg, "float32")
+    m = A.SimpleAttentionNetwork(cfg)
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    tok = TK.SANTokenizer(os.path.join(src, f"{name}.spm.model"))
+    prompt, _ = F.render_example(TEXT_EXAMPLE)
+    rows = [[BOS] + list(tok.encode(t)) for t in TEXTS + [prompt]]
+    T = max(len(r) for r in rows)
+    batch = np.full((len(rows), T), PAD, np.int32)
+    for i, r in enumerate(rows):
+        batch[i, :len(r)] = r
+
+    @jax.jit
+    def all_heads(params, t):
+        return m.apply({"params": params}, t, method=lambda mod, t: (
+            mod.forward_embedding(t), mod.forward_confidence(t), mod.forward_router(t)))
+
+    def heads(tokens):
+        out = all_heads(params, jnp.asarray(tokens))
+        return {k: np.asarray(v, np.float32) for k, v in zip(("embedding", "confidence", "router"), out, strict=True)}
+
+    out = {f"f32/{k}": v for k, v in heads(batch).items()}
+    alone = [heads(np.asarray([r], np.int32)) for r in rows]
+    for k in ("embedding", "confidence", "router"):
+        out[f"f32/{k}_alone"] = np.concatenate([a[k] for a in alone])
+    out["texts_json"] = np.asarray(json.dumps(TEXTS + [prompt], ensure_ascii=False))
+    out["tokens"] = batch
+    out["lengths"] = np.asarray([len(r) for r in rows], np.int32)
+    np.savez_compressed(os.path.join(out_dir, f"{name}.text.npz"), **out)
+    worst = max(max_diff(out[f"f32/{k}"], out[f"f32/{k}_alone"]) for k in ("embedding", "confidence", "router"))
+    lines = [f"# {name}.text: made by upstream's own code through tools/upstream_goldens.py text_goldens()",
+             f"command: {argv}",
+             "regenerate: tools/upstream_goldens.sh --text-only   (from the repo root)",
+             *(f"{k}: {v}" for k, v in vers.items()),
+             "matmul precision: jax_default_matmul_precision=highest, JAX_PLATFORMS=cpu",
+             f"inputs: {name}.safetensors via R.load_checkpoint, config dtype float32 and params cast to float32; "
+             f"TK.SANTokenizer({name}.spm.model)",
+             f"texts: {len(TEXTS)} strings (plain, non-ASCII, empty, spaces and newlines) and the prompt half of "
+             "F.render_example (a query with one tool)",
+             "ids: [BOS] + tok.encode(text), right-padded with PAD to the longest (tokens, lengths)",
+             "f32/{embedding,confidence,router}: m.apply(..., tokens, method='forward_<head>') on the batch; "
+             "*_alone: each row alone, unpadded",
+             f"check: batch vs alone max |diff| {worst:.2e}"]
+    with open(os.path.join(out_dir, f"{name}.text.command"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+WINDOW, SINKS, WINDOW_STEPS = 5, 3, 12  # kv window inside the sliding window of 8; the prompt's first 3 positions
+
+
+def window_goldens(out_dir, argv, vers, src=SHARED_FIXTURE):
+    """needle-v3-tiny.window.npz: run.generate's greedy loop (the full forward on the growing PAD-filled buffer)
+    with hidden_cells' windowed mask passed to __call__: causal & (q - k < WINDOW | k a sink), the sinks the prompt's
+    first SINKS positions; float32 config and params, prompt = needle-v3-tiny.npz's `prompt`."""
+    name = "needle-v3-tiny"
+    params, cfg = R.load_checkpoint(os.path.join(src, f"{name}.safetensors"))
+    cfg = with_dtype(cfg, "float32")
+    m = A.SimpleAttentionNetwork(cfg)
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    with np.load(os.path.join(src, f"{name}.npz")) as z:
+        prompt = np.asarray(z["prompt"], np.int32)  # (1, P)
+    P = prompt.shape[1]
+    M = P + WINDOW_STEPS
+    pos = jnp.arange(M)
+    sink = jnp.zeros((1, M), jnp.bool_).at[:, :SINKS].set(True)
+    recent = ((pos[:, None] - pos[None, :]) < WINDOW)[None, None]
+    mask = A.make_causal_mask(M) & (recent | sink[:, None, None, :])
+    fwd = jax.jit(lambda p, t: m.apply({"params": p}, t, mask=mask))
+    buf = np.full((1, M), PAD, np.int32)
+    buf[:, :P] = prompt
+    tokens, logits = [], []
+    for t in range(P - 1, M - 1):
+        step = np.asarray(fwd(params, jnp.asarray(buf)))[0, t]
+        logits.append(step)
+        tokens.append(int(step.argmax()))
+        buf[0, t + 1] = tokens[-1]
+    np.savez_compressed(os.path.join(out_dir, f"{name}.window.npz"), prompt=prompt,
+                        sink=np.asarray(sink[:, :P]), kv_window=np.int32(WINDOW),
+                        **{"f32/tokens": np.asarray([tokens], np.int32),
+                           "f32/logits": np.asarray([logits], np.float32)})
+    lines = [f"# {name}.window: made by upstream's own code through tools/upstream_goldens.py window_goldens()",
+             f"command: {argv}",
+             "regenerate: tools/upstream_goldens.sh --text-only   (from the repo root)",
+             *(f"{k}: {v}" for k, v in vers.items()),
+             "matmul precision: jax_default_matmul_precision=highest, JAX_PLATFORMS=cpu",
+             f"inputs: {name}.safetensors via R.load_checkpoint, float32; prompt: {name}.npz's `prompt` ({P} ids)",
+             f"loop: run.generate's (greedy, the full forward on a PAD-filled buffer of {M}), each step "
+             f"m.apply(params, buf, mask=make_causal_mask(M) & (q - k < {WINDOW} | sink[k])), sink = the first "
+             f"{SINKS} positions: hidden_cells' window and sink",
+             f"f32/tokens (1, {WINDOW_STEPS}), f32/logits (1, {WINDOW_STEPS}, V): the chosen ids and their logits"]
+    with open(os.path.join(out_dir, f"{name}.window.command"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
 def versions():
     v = {name: importlib.metadata.version(name)
          for name in ("cactus-needle", "jax", "jaxlib", "flax", "numpy", "safetensors",
@@ -516,14 +628,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="tests/data/v3")
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), default=None)
+    parser.add_argument("--text-only", action="store_true", help="write only needle-v3-tiny.text.* and .window.*")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     argv = os.environ.get("UPSTREAM_GOLDENS_COMMAND") or shlex.join(
         [os.path.relpath(sys.executable), *sys.argv])
     vers = versions()
     assert vers["cactus-needle"] == "3.2.8", vers
+    if args.text_only:
+        text_goldens(args.out, argv, vers)
+        window_goldens(args.out, argv, vers)
+        return
     if os.path.isdir(SHARED_FIXTURE) and not args.only:
         copy_shared_fixture(args.out, argv)
+        text_goldens(args.out, argv, vers)
+        window_goldens(args.out, argv, vers)
     for name in args.only or CONFIGS:
         meta = build(name, CONFIGS[name], args.out, argv, vers)
         print(f"{name}: {len(meta['arrays'])} arrays per dtype, "

@@ -1,6 +1,7 @@
 """Needle 3 in PyTorch: the twin of needle_flax.v3 (NEEDLE_V3.md)."""
 
 from convert.v3.config import TransformerConfig
+from needle_torch.v3.embed import embed, scores
 from needle_torch.v3.generate import generate, generate_recompute
 from needle_torch.v3.model import (
     Block,
@@ -28,6 +29,7 @@ from needle_torch.v3.quant import cq_quantize, head_weight, quant_kv, quant_quer
 __all__ = [
     "Block", "ConfidenceHead", "EmbeddingHead", "Engram", "HadamardMLP", "HeadProjection", "MHCLayer",
     "MultiHeadAttention", "ProbeHead", "RouterHead", "SimpleAttentionNetwork", "Stack", "TransformerConfig",
-    "conv_taps", "cq_quantize", "engram_indices", "generate", "generate_recompute", "head_weight", "kron_apply",
-    "make_window_mask", "mask_diag", "probe_pool", "quant_kv", "quant_query", "shift_right",
+    "conv_taps", "cq_quantize", "embed", "engram_indices", "generate", "generate_recompute", "head_weight",
+    "kron_apply",
+    "make_window_mask", "mask_diag", "probe_pool", "quant_kv", "quant_query", "scores", "shift_right",
 ]

@@ -6,7 +6,7 @@ from a cache holding Needle 3's state, so each step feeds one token:
 - per layer, K (after k_norm and RoPE) and V in a ring of C slots: C = min(M, sliding_window) on local layers
   (a query there sees itself and w - 1 earlier keys, §3.5), C = min(M, kv_window) on global layers, kv_window
   defaulting to upstream's `config.effective_kv_window` (the deploy cache's bound; the whole context whenever
-  M fits in it, which is every test here);
+  M fits in it), plus on global layers a store of the sink positions' K and V, which stay visible past the ring;
 - per layer, the last τ - 1 rows of projected q, k and v before the conv (§3.2: the conv runs on projected
   channels before the norms and RoPE; tap j >= 1 reads position t - j where the layer's mask lets t see it,
   tap 0 always);
@@ -18,12 +18,15 @@ composes them around the cache, in the forward's order of operations.
 
 Contract (Needle 2's, shared with needle_flax.v3.generate): prompts (B, P) left-padded with pad_token_id, valid
 from each row's first non-pad token on, the mask (causal ∧ valid) ∨ diagonal (plain causal for unpadded
-prompts, run.py's); greedy or seeded sampling; each row stops at its first EOS (kept) and holds pad_token_id
-after it; streaming; per-step logits and log-probabilities on request. RoPE reads absolute buffer positions.
+prompts, run.py's); where a kv_window bounds the buffer, upstream's windowed mask of `hidden_cells` (§3.8):
+(causal ∧ valid ∧ (q - k < kv_window ∨ k a sink)) ∨ diagonal, which every layer, conv tap and engram row reads
+(local layers within their sliding window too); greedy or seeded sampling; each row stops at its first EOS (kept)
+and holds pad_token_id after it; streaming; per-step logits and log-probabilities on request. RoPE reads absolute
+buffer positions.
 
 Shapes: B batch, P prompt length (padded), G = max_new_tokens, M = P + G buffer positions, S tokens fed in one
-call, C ring slots, Z leading buffer columns before position 0, D d_model, H heads, K kv heads, hq qk head dim,
-hv v head dim, n mHC lanes, N engram tables, V_out output vocab.
+call, C ring slots, N_s sink positions, Z leading buffer columns before position 0, D d_model, H heads, K kv heads,
+hq qk head dim, hv v head dim, n mHC lanes, N engram tables, V_out output vocab.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -43,7 +47,8 @@ from convert.v3.config import ENGRAM_TAPS, EOS_ID, PAD_ID
 from convert.v3.ladder import ladder_layer_ranks
 from needle_torch.layers import apply_rope, make_causal_mask, repeat_kv
 from needle_torch.v2.generate import Streamer, _loop, _Sampler, pick
-from needle_torch.v2.lanes import rms_unit, sinkhorn
+from needle_torch.v2.lanes import fake_quant_act, rms_unit, sinkhorn
+from needle_torch.v3.quant import quant_kv, quant_query
 
 # The model file imports this one (its `generate` method), so nothing here imports it back: the forward's pieces
 # are reached through the model instance (submodules and its _rope, _input_embeddings, _engram_kv, _logits), and the
@@ -55,6 +60,11 @@ FLASH_NEG = -0.7 * torch.finfo(torch.float32).max  # model.FLASH_NEG: jax.nn.dot
 def _sigmoid(x: Tensor) -> Tensor:
     """model._sigmoid: torch's in float32; in bf16/f16 1 / (1 + exp(-x)) rounded after every op, as XLA:CPU."""
     return torch.sigmoid(x) if x.dtype == torch.float32 else 1 / (1 + torch.exp(-x))
+
+
+def _aq(x: Tensor, quant: bool, bits: int) -> Tensor:
+    """model._aq: per-row A`bits` fake-quant over the last axis under quant, else x."""
+    return fake_quant_act(x, bits) if quant else x
 
 
 def _lane_offsets(lane: int, n: int, device=None) -> tuple[Tensor, Tensor]:
@@ -76,6 +86,11 @@ class LayerCache:
     window: int  # a query at q sees keys with q - k < window (0: every earlier key)
     rows: tuple[Tensor, Tensor, Tensor] | None  # (B, τ - 1, H·hq), (B, τ - 1, K·hq), (B, τ - 1, K·hv); None: τ = 0
     lane: int  # this layer's lane in its stream: l mod n, or its position among a rung's layers mod n
+    # the sink positions' K, V once fed (global layers under a kv_window with sinks; else None): past the ring's
+    # window a sink is read from here
+    store_k: Tensor | None = None  # (B, K, N_s, hq)
+    store_v: Tensor | None = None  # (B, K, N_s, hv)
+    store_pos: Tensor | None = None  # (N_s,) int64: the position each store slot holds, -1 until fed
 
 
 @dataclass
@@ -89,6 +104,10 @@ class DecodeCache:
     cos: Tensor  # (M, hq/2)
     sin: Tensor  # (M, hq/2)
     lead: int  # Z
+    kv: int = 0  # the kv_window every mask reads (0: none, the buffer fits in it)
+    sink: Tensor | None = None  # (B, Z + M) bool: positions visible past kv (prompt positions only)
+    sink_cols: Tensor | None = None  # (N_s,) int64: the positions that are a sink in some row
+    quant: bool = False  # upstream's deploy numerics (`quant=True` with the config's act_bits and kv_bits)
 
 
 def _engram_history(config) -> int:
@@ -104,28 +123,42 @@ def _lead(config) -> int:
     return max(1, config.qkv_conv_taps - 1, _engram_history(config))
 
 
-def _layer_plan(config, max_len: int, kv_window: int | None, layers: int | None) -> list[tuple[int, int, int] | None]:
-    """Per layer (window, ring slots C, lane), or None for a layer rung `layers` skips. window: keys q - k < window
-    (0: all); local layers the sliding window, global ones kv_window (None: config.effective_kv_window) where the
-    buffer is longer. lane: l mod n, or on a rung the layer's position among the rung's layers mod n."""
+def kv_bound(config, max_len: int, kv_window: int | None) -> int:
+    """The kv_window the masks read: kv_window (None: config.effective_kv_window) where the buffer is longer, else
+    0 (none)."""
     bound = config.effective_kv_window if kv_window is None else kv_window
+    return bound if bound < max_len else 0
+
+
+def _layer_plan(config, max_len: int, kv_window: int | None,
+                layers: int | None) -> list[tuple[int, int, int, bool] | None]:
+    """Per layer (window, ring slots C, lane, global), or None for a layer rung `layers` skips. window: keys
+    q - k < window (0: all); local layers the sliding window, global ones the kv bound (kv_bound). lane: l mod n,
+    or on a rung the layer's position among the rung's layers mod n. A global layer with a window keeps the sinks
+    in a store."""
+    bound = kv_bound(config, max_len, kv_window)
     plan, position = [], 0
     for i, active in enumerate(_active_layers(config, layers)):
         if not active:
             plan.append(None)
             continue
         local = config.sliding_window and i not in config.global_layers
-        window = config.sliding_window if local else (bound if bound < max_len else 0)
-        plan.append((window, min(max_len, window or max_len), (i if layers is None else position) % config.mhc_lanes))
+        window = config.sliding_window if local else bound
+        lane = (i if layers is None else position) % config.mhc_lanes
+        plan.append((window, min(max_len, window or max_len), lane, not local))
         position += 1
     return plan
 
 
 def new_cache(model: nn.Module, batch: int, max_len: int, valid: Tensor | None = None, kv_window: int | None = None,
-              layers: int | None = None) -> DecodeCache:
+              layers: int | None = None, sink: Tensor | None = None, quant: bool = False) -> DecodeCache:
     """An empty DecodeCache for `batch` rows and max_len positions. valid (B, max_len) bool (None: all True);
-    kv_window bounds the global layers' ring (None: config.effective_kv_window); layers: decode rung d only."""
+    kv_window bounds the global layers' ring (None: config.effective_kv_window); layers: decode rung d only;
+    sink (B, max_len) bool or None: positions that stay visible past the kv window; quant: deploy numerics."""
     cfg, device = model.config, model.embedding.weight.device
+    kv = kv_bound(cfg, max_len, kv_window)
+    sink = None if sink is None or not kv else sink.to(device)
+    sink_cols = None if sink is None else torch.nonzero(sink.any(dim=0))[:, 0]  # (N_s,)
     dt = model.stack.compute_dtype
     H, K, tau = cfg.num_heads, cfg.num_kv_heads, cfg.qkv_conv_taps
     hq, hv = cfg.head_dims
@@ -134,17 +167,24 @@ def new_cache(model: nn.Module, batch: int, max_len: int, valid: Tensor | None =
         if spec is None:
             slots.append(None)
             continue
-        window, C, lane = spec
+        window, C, lane, global_layer = spec
         rows = None if not tau else tuple(torch.zeros(batch, tau - 1, c, dtype=dt, device=device)
                                           for c in (H * hq, K * hq, K * hv))
-        slots.append(LayerCache(torch.zeros(batch, K, C, hq, dtype=dt, device=device),
-                                torch.zeros(batch, K, C, hv, dtype=dt, device=device),
-                                torch.full((C,), -1, dtype=torch.long, device=device), window, rows, lane))
+        lc = LayerCache(torch.zeros(batch, K, C, hq, dtype=dt, device=device),
+                        torch.zeros(batch, K, C, hv, dtype=dt, device=device),
+                        torch.full((C,), -1, dtype=torch.long, device=device), window, rows, lane)
+        if sink_cols is not None and global_layer:  # a global layer's ring ends at kv; its sinks live on here
+            Ns = sink_cols.shape[0]
+            lc.store_k = torch.zeros(batch, K, Ns, hq, dtype=dt, device=device)
+            lc.store_v = torch.zeros(batch, K, Ns, hv, dtype=dt, device=device)
+            lc.store_pos = torch.full((Ns,), -1, dtype=torch.long, device=device)
+        slots.append(lc)
     Z = _lead(cfg)
     valid = torch.ones(batch, max_len, dtype=torch.bool, device=device) if valid is None else valid.to(device)
     cos, sin = model._rope(max_len, device)
     return DecodeCache(slots, torch.zeros(batch, Z + max_len, dtype=torch.long, device=device),
-                       F.pad(valid, (Z, 0), value=False), cos, sin, Z)
+                       F.pad(valid, (Z, 0), value=False), cos, sin, Z, kv,
+                       None if sink is None else F.pad(sink, (Z, 0), value=False), sink_cols, bool(quant))
 
 
 def _active_layers(config, layers: int | None) -> list[bool]:
@@ -158,10 +198,25 @@ def _active_layers(config, layers: int | None) -> list[bool]:
 
 
 def _seen(cache: DecodeCache, positions: Tensor, back: int) -> Tensor:
-    """(B, S) bool: may a query at `positions` see position - back under (causal ∧ valid) ∨ diagonal?"""
+    """(B, S) bool: may a query at `positions` see position - back under the request's mask (module docstring)?"""
     if back == 0:  # the diagonal: always (tap 0 is never masked, an order-1 n-gram always valid)
         return torch.ones(cache.valid.shape[0], positions.shape[0], dtype=torch.bool, device=positions.device)
-    return cache.valid[:, cache.lead + positions - back]
+    ok = cache.valid[:, cache.lead + positions - back]
+    if cache.kv and back >= cache.kv:  # past the kv window only a sink is seen
+        return torch.zeros_like(ok) if cache.sink is None else ok & cache.sink[:, cache.lead + positions - back]
+    return ok
+
+
+def _visible(cache: DecodeCache, positions: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+    """(ok (B, S, C') bool, back (S, C')): which keys (C',) (-1: an empty slot) queries at `positions` see under
+    the request's mask without the diagonal: causal ∧ valid (∧ q - k < kv ∨ k a sink)."""
+    back = positions[:, None] - keys[None, :]  # (S, C')
+    cols = cache.lead + keys.clamp(min=0)
+    ok = (keys >= 0) & (back >= 0) & cache.valid[:, cols][:, None, :]  # (B, S, C')
+    if cache.kv:
+        near = back < cache.kv
+        ok = ok & (near if cache.sink is None else near | cache.sink[:, cols][:, None, :])
+    return ok, back
 
 
 # ----------------------------------------------------------------------------- one cached step
@@ -205,9 +260,11 @@ def _attention_step(attn: nn.Module, x: Tensor, lc: LayerCache, cache: DecodeCac
     own keys; writes the chunk into the ring and the conv rows."""
     B, S, _ = x.shape
     H, K, hq, hv, dt = attn.num_heads, attn.num_kv_heads, attn.hq, attn.hv, attn.compute_dtype
+    quant, cfg = cache.quant, attn.config
+    x = _aq(x, quant, cfg.act_bits)
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)  # (B, S, H·hq), (B, S, K·hq), (B, S, K·hv)
     if lc.rows is not None:
-        # tap j >= 1 reads t - j where this layer's mask lets t see it: valid, and within the window
+        # tap j >= 1 reads t - j where this layer's mask lets t see it: the request's mask, within the window
         tap_ok = [None] + [(_seen(cache, positions, j) & (not lc.window or j < lc.window))[..., None].to(q.dtype)
                            for j in range(1, attn.config.qkv_conv_taps)]  # (B, S, 1) each
         convs = [_conv_step(z, taps.to(dt), rows, tap_ok)
@@ -220,20 +277,30 @@ def _attention_step(attn: nn.Module, x: Tensor, lc: LayerCache, cache: DecodeCac
     q, k = attn.q_norm(q), attn.k_norm(k)
     rope = cache.cos[positions], cache.sin[positions]  # (S, hq/2) each
     q, k = apply_rope(q, *rope).to(q.dtype), apply_rope(k, *rope).to(k.dtype)
+    q, k, v = quant_query(q, quant, cfg), quant_kv(k, quant, cfg), quant_kv(v, quant, cfg)  # the cache holds them so
 
-    keys = torch.cat([lc.slot_pos, positions])  # (C + S,): the ring, then the chunk
-    back = positions[:, None] - keys[None, :]  # (S, C + S)
-    ok = (keys >= 0) & (back >= 0) & cache.valid[:, cache.lead + keys.clamp(min=0)][:, None, :]  # (B, S, C + S)
+    C = lc.slot_pos.shape[0]
+    stored = 0 if lc.store_pos is None else lc.store_pos.shape[0]
+    keys = torch.cat([lc.slot_pos, positions] if not stored else [lc.store_pos, lc.slot_pos, positions])
+    ok, back = _visible(cache, positions, keys)  # (B, S, N_s + C + S), (S, N_s + C + S)
     if lc.window:
-        ok = ok & (back < lc.window)
-    mask = (ok | (back == 0))[:, None]  # (B, 1, S, C + S)
-    out = _attend(attn, q, torch.cat([lc.k, k], dim=2), torch.cat([lc.v, v], dim=2), mask)  # (B, S, H·hv)
+        near = back < lc.window
+        if stored:  # the ring within the kv window, the store past it: each sink read once; the chunk as _visible
+            near = torch.cat([~near[:, :stored], near[:, stored:stored + C], torch.ones_like(near[:, stored + C:])], 1)
+        ok = ok & near
+    mask = (ok | (back == 0))[:, None]  # (B, 1, S, N_s + C + S)
+    ks, vs = ([lc.k, k], [lc.v, v]) if not stored else ([lc.store_k, lc.k, k], [lc.store_v, lc.v, v])
+    out = _attend(attn, q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), mask)  # (B, S, H·hv)
 
-    C = lc.slot_pos.shape[0]  # the chunk's last C positions go into slots position mod C
-    kept = positions[-C:]
+    kept = positions[-C:]  # the chunk's last C positions go into slots position mod C
     lc.k[:, :, kept % C], lc.v[:, :, kept % C], lc.slot_pos[kept % C] = k[:, :, -C:], v[:, :, -C:], kept
+    if stored:
+        at = cache.sink_cols - positions[0]  # (N_s,): each sink's row in the chunk
+        fed = (at >= 0) & (at < S)
+        lc.store_k[:, :, fed], lc.store_v[:, :, fed] = k[:, :, at[fed]], v[:, :, at[fed]]
+        lc.store_pos[fed] = cache.sink_cols[fed]
     out = out * _sigmoid(attn.gate_proj(x))
-    return attn.out_proj(out)
+    return attn.out_proj(_aq(out, quant, cfg.act_bits))
 
 
 def _block_step(block: nn.Module, x: Tensor, attention: Callable[[Tensor], Tensor],
@@ -250,12 +317,12 @@ def _block_step(block: nn.Module, x: Tensor, attention: Callable[[Tensor], Tenso
 
 
 def _layer_step(layer: nn.Module, lanes: Tensor, offsets: tuple[Tensor, Tensor], attention: Callable[[Tensor], Tensor],
-                engram_kv: tuple[Tensor, Tensor] | None, site_flags: Tensor | None) -> Tensor:
-    """MHCLayer.forward (no quant) with the cached block: lanes (B, S, n, D) in dt -> the new lanes."""
+                engram_kv: tuple[Tensor, Tensor] | None, site_flags: Tensor | None, quant: bool) -> Tensor:
+    """MHCLayer.forward with the cached block: lanes (B, S, n, D) in dt -> the new lanes."""
     B, S, n, D = lanes.shape
     pre_off, post_off = offsets
     xf = lanes.float()
-    nx = rms_unit(lanes.reshape(B, S, n * D))  # (B, S, n·D) float32
+    nx = _aq(rms_unit(lanes.reshape(B, S, n * D)), quant, layer.act_bits)  # (B, S, n·D) float32
     hpre = torch.sigmoid(layer.a_pre * F.linear(nx, layer.phi_pre.weight.float()) + layer.b_pre + pre_off)
     u = torch.einsum("btn,btnc->btc", hpre, xf).to(layer.compute_dtype)  # (B, S, D)
     y = _block_step(layer.block, u, attention, engram_kv, site_flags) - u
@@ -270,16 +337,22 @@ def _engram_step(model: nn.Module, cache: DecodeCache, positions: Tensor) -> tup
     """Every site's (key, value) for the chunk, each (G, B, S, D): the forward's own `_engram_kv` on the chunk behind
     its token history of W = (max(O) - 1) + 3·max(O) positions (the oldest value row its dilated taps read, and that
     row's oldest n-gram token), under (causal ∧ valid) ∨ diagonal as the forward's full mask. Exact: no row kept
-    reads past the window's start, and the positions before 0 are invalid zeros, as the forward's zero fill."""
+    reads past the window's start, and the positions before 0 are invalid zeros, as the forward's zero fill. Under a
+    kv window the mask is the windowed one (the module docstring), as the forward reads its mask."""
     if not len(model.engrams):
         return None
     S, start, W = positions.shape[0], int(positions[0]), _engram_history(model.config)
     window = slice(cache.lead + start - W, cache.lead + start + S)
     valid = cache.valid[:, window]  # (B, W + S)
     T = W + S
-    causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()  # (T, T)
-    mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=valid.device))[:, None]  # (B, 1, T, T)
-    keys, values = model._engram_kv(cache.tokens[:, window], mask, False)  # (G, B, W + S, D) each
+    here = torch.arange(T, device=valid.device)
+    back = here[:, None] - here[None, :]  # (T, T)
+    ok = (back >= 0) & valid[:, None, :]  # (B, T, T)
+    if cache.kv:
+        near = back < cache.kv
+        ok = ok & (near if cache.sink is None else near | cache.sink[:, window][:, None, :])
+    mask = (ok | (back == 0))[:, None]  # (B, 1, T, T)
+    keys, values = model._engram_kv(cache.tokens[:, window], mask, cache.quant)  # (G, B, W + S, D) each
     return keys[:, :, W:], values[:, :, W:]
 
 
@@ -299,19 +372,20 @@ def decode_step(model: nn.Module, tokens: Tensor, cache: DecodeCache, pos: int, 
         flags = torch.tensor([float(site == i) for site in cfg.engram_layers], device=x.device)  # (G,)
         attention = functools.partial(_attention_step, layer.block.self_attn, lc=lc, cache=cache, positions=positions)
         lanes = _layer_step(layer, lanes, _lane_offsets(lc.lane, cfg.mhc_lanes, x.device), attention, engram_kv,
-                            flags)
+                            flags, cache.quant)
     x = model.stack.final_norm(lanes.mean(dim=2))  # (B, S, D)
-    return model._logits(x[:, -1:] if last_only else x, False)
+    return model._logits(x[:, -1:] if last_only else x, cache.quant)
 
 
 # ----------------------------------------------------------------------------- the loops
 
 
-def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, layers, temperature, seed, eos_token_id,
-             pad_token_id) -> tuple[Tensor, Tensor, _Sampler, int]:
-    """Checked inputs on the model's device: (prompts (B, P) int64, valid (B, M), sampler, eos id (-1: none))."""
+def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, sink, layers, temperature, seed, eos_token_id,
+             pad_token_id) -> tuple[Tensor, Tensor, Tensor | None, _Sampler, int]:
+    """Checked inputs on the model's device: (prompts (B, P) int64, valid (B, M), sink (B, M) bool or None, sampler,
+    eos id (-1: none))."""
     cfg = model.config
-    prompts = check_generate_args(cfg, tokens, max_new_tokens, 0, None, temperature, seed, eos_token_id,
+    prompts = check_generate_args(cfg, tokens, max_new_tokens, 0, sink, temperature, seed, eos_token_id,
                                   pad_token_id)
     if kv_window is not None and (isinstance(kv_window, bool) or not isinstance(kv_window, int) or kv_window < 1):
         raise GenerationError(f"kv_window must be None (config.effective_kv_window) or an integer >= 1, got "
@@ -319,33 +393,38 @@ def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, layers, temper
     _active_layers(cfg, layers)
     device = model.embedding.weight.device
     valid = F.pad(torch.from_numpy(prompt_validity(prompts, pad_token_id)), (0, int(max_new_tokens)), value=True)
+    if sink is not None:  # generated positions are no sinks
+        sink = F.pad(torch.as_tensor(np.asarray(sink) != 0), (0, int(max_new_tokens))).to(device)
     sampler = _Sampler(float(temperature), seed, (prompts.shape[0], cfg.output_vocab), device)
     eos = -1 if eos_token_id is None else int(eos_token_id)
-    return torch.from_numpy(prompts).to(device), valid.to(device), sampler, eos
+    return torch.from_numpy(prompts).to(device), valid.to(device), sink, sampler, eos
 
 
 @torch.inference_mode()
 def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int | None = None,
-             kv_window: int | None = None, temperature: float = 0.0, seed: int | None = None,
-             eos_token_id: int | None = EOS_ID, pad_token_id: int = PAD_ID, return_logits: bool = False,
-             return_logprobs: bool = False, streamer: Streamer | None = None):
+             kv_window: int | None = None, sink=None, quant: bool = False, temperature: float = 0.0,
+             seed: int | None = None, eos_token_id: int | None = EOS_ID, pad_token_id: int = PAD_ID,
+             return_logits: bool = False, return_logprobs: bool = False, streamer: Streamer | None = None):
     """Cached generation: the new tokens LongTensor (B, max_new_tokens), plus (logits, logprobs) on request.
 
     tokens: (B, P) prompts (BOS included), left-padded with pad_token_id; P + max_new_tokens <= max_seq_len.
     One prefill pass over the prompts, then one token a step over the cache, in the model's dtype and on its
     device. layers: decode on ladder rung d (the layers of rank < d, `subnetwork_only` with exit_depth=d).
     kv_window: the global layers' ring (None: config.effective_kv_window, upstream's deploy bound); where the
-    buffer is longer, a global layer sees its last kv_window positions. temperature 0 is greedy (argmax, ties to
-    the first index); above 0 categorical(logits / T) from a torch.Generator seeded with `seed` (torch's stream,
+    buffer is longer, a query sees its last kv_window positions and the `sink` positions ((B, P) bool or 0/1 over
+    the prompts), under upstream's windowed mask (`hidden_cells`' window and sink) in every layer, conv tap and
+    engram row. quant: upstream's deploy numerics, the forward's `quant=True` (A8 activations and q, the KV cache
+    at config.kv_bits: a .cact's). temperature 0 is greedy (argmax, ties to the first index); above 0
+    categorical(logits / T) from a torch.Generator seeded with `seed` (torch's stream,
     not JAX's: sampled tokens follow upstream's distribution, not its draws). Each row stops at its first
     eos_token_id (kept; None: never) and holds pad_token_id after it. return_logits: the float32 logits
     (B, steps, V_out) each token came from; return_logprobs: the chosen tokens' log-probabilities (B, steps), 0
     after a row's EOS. streamer: called with each step's (B,) tokens on the CPU."""
-    prompts, valid, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, layers, temperature, seed,
-                                            eos_token_id, pad_token_id)
+    prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, layers,
+                                                  temperature, seed, eos_token_id, pad_token_id)
     B, P = prompts.shape
     G, device = int(max_new_tokens), prompts.device
-    cache = new_cache(model, B, P + G, valid, kv_window, layers)
+    cache = new_cache(model, B, P + G, valid, kv_window, layers, sink, quant)
     prefill = decode_step(model, prompts, cache, 0, last_only=True)[:, 0]  # (B, V_out): chooses token 0
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
 
@@ -359,15 +438,16 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int 
 
 @torch.inference_mode()
 def generate_recompute(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int | None = None,
-                       temperature: float = 0.0, seed: int | None = None, eos_token_id: int | None = EOS_ID,
-                       pad_token_id: int = PAD_ID, return_logits: bool = False, return_logprobs: bool = False,
-                       streamer: Streamer | None = None):
+                       kv_window: int | None = None, sink=None, quant: bool = False, temperature: float = 0.0,
+                       seed: int | None = None, eos_token_id: int | None = EOS_ID, pad_token_id: int = PAD_ID,
+                       return_logits: bool = False, return_logprobs: bool = False, streamer: Streamer | None = None):
     """Upstream's run.py loop, the reference: the forward on the PAD-filled buffer (B, P + G) re-run for every new
     token, the logits read at the current position; with layers=d the rung's `subnetwork_only` logits. Same
-    contract and results as `generate` (no kv_window: run.py has none). The mask is causal, and for left-padded
-    rows (causal ∧ valid) ∨ diagonal, so pad keys stay unseen."""
-    prompts, valid, sampler, eos = _prepare(model, tokens, max_new_tokens, None, layers, temperature, seed,
-                                            eos_token_id, pad_token_id)
+    contract and results as `generate`. The mask is causal, and for left-padded rows (causal ∧ valid) ∨ diagonal,
+    so pad keys stay unseen; kv_window (None: none, as run.py) and sink add `hidden_cells`' window and sinks:
+    (causal ∧ valid ∧ (q - k < kv_window ∨ k a sink)) ∨ diagonal."""
+    prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, layers,
+                                                  temperature, seed, eos_token_id, pad_token_id)
     B, P = prompts.shape
     G, device = int(max_new_tokens), prompts.device
     M = P + G
@@ -375,16 +455,21 @@ def generate_recompute(model: nn.Module, tokens, max_new_tokens: int = 64, *, la
     causal = make_causal_mask(M, device)  # (1, 1, M, M)
     eye = torch.eye(M, dtype=torch.bool, device=device)[None, None]  # (1, 1, M, M)
     mask = causal if bool(valid.all()) else (causal & valid[:, None, None, :]) | eye  # (B|1, 1, M, M)
+    if kv_window is not None and kv_window < M:
+        here = torch.arange(M, device=device)
+        near = (here[:, None] - here[None, :] < kv_window)[None, None]  # (1, 1, M, M)
+        keep = near if sink is None else near | sink[:, None, None, :]  # (B|1, 1, M, M)
+        mask = (mask & keep) | eye
     rung = {} if layers is None else {"exit_depth": layers, "subnetwork_only": True}
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
 
     def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):
         if t:
             buf[:, P + t - 1] = out[:, t - 1]
-        logits = model(buf, mask, **rung)[:, P - 1 + t]  # (B, V_out) float32
+        logits = model(buf, mask, quant, **rung)[:, P - 1 + t]  # (B, V_out) float32
         return (logits, *pick(logits, done, eos_t, pad_t, noise, sampler.inv_temp))
 
     return _loop(advance, sampler, B, G, device, eos, pad_token_id, streamer, return_logits, return_logprobs)
 
 
-__all__ = ["DecodeCache", "LayerCache", "decode_step", "generate", "generate_recompute", "new_cache"]
+__all__ = ["DecodeCache", "LayerCache", "decode_step", "generate", "generate_recompute", "kv_bound", "new_cache"]

@@ -22,15 +22,10 @@ Shapes: B batch, T length, V vocab, D d_model, n lanes, G engram sites, L layers
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.metadata
-import math
 import os
-import platform
 import re
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,19 +39,39 @@ from convert.mapping import flax_to_torch_numpy
 from convert.safe_pickle import load_file
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2 import FAMILY
-from convert.v2.bits import Bits, bits_for, canonical_name, check_bits, format_bits_map, parse_bits_map, unused_keys
+from convert.v2.bits import (
+    Bits,
+    bits_for,
+    canonical_name,
+    check_bits,
+    format_bits_map,
+    groups_along_input,
+    parse_bits_map,
+    unused_keys,
+)
 from convert.v2.cact import CQ, CactFile, read_cact, to_params
 from convert.v2.config import TransformerConfig
 from convert.v2.cq import cq_mixed_params, quant_leaf_names, width_of_record
 from convert.v2.lora import merge_lora
 from needle_torch.layers import TORCH_DTYPES
 from needle_torch.v2 import SimpleAttentionNetwork
-from parity_tests.devices import torch_device
+from parity_tests import cq_flips
 from parity_tests.inputs import Batch, InputError, as_token_array, check_sizes, check_tokens
-from parity_tests.metrics import cosine, log_softmax, max_rel, token_kl, topk_agreement
 from parity_tests.outputs import check_outputs, write_outputs
-from parity_tests.v2 import inputs as v2_inputs
-from parity_tests.v2.quant_report import (
+from parity_tests.quant import (
+    environment,
+    greedy_figures,
+    kld_stats,
+    logit_figures,
+    pinned_torch,
+    prompt_ends,
+    quant_device,
+    refuse_foreign_cact,
+    rescore_file,
+    sqnr_db,
+    state_error,
+)
+from parity_tests.quant_report import (
     QuantReport,
     ReportError,
     Thresholds,
@@ -67,8 +82,10 @@ from parity_tests.v2.quant_report import (
     score,
     to_json,
 )
+from parity_tests.v2 import inputs as v2_inputs
 
 DEFAULT_BATCH, DEFAULT_SEQ_LEN, DEFAULT_STEPS = 4, 32, 8
+CQ_CHECK_REL = 1e-5  # the project's float32 budget for a CQ group both builds quantised alike
 LOGITS_PATH = ("embedding/", "stack/", "engrams_")  # Flax prefixes the LM logits depend on (not MTP, not the heads)
 _ENGRAM = re.compile(r"engrams_(\d+)/")
 
@@ -267,67 +284,7 @@ def unquantized(params32: Mapping[str, Any]) -> Quantized:
 # ----------------------------------------------------------------------------- figures (numpy, float64)
 
 
-def kld_stats(kl: np.ndarray) -> dict[str, float | None]:
-    """mean, standard error (sample std / √R; None for one position), median, 99th and 99.9th percentiles
-    (numpy's linear interpolation) and max of per-position KLs."""
-    kl = np.asarray(kl, np.float64).ravel()
-    n = kl.size
-    return {"mean": float(kl.mean()), "stderr": float(kl.std(ddof=1) / math.sqrt(n)) if n > 1 else None,
-            "median": float(np.median(kl)), "p99": float(np.percentile(kl, 99)),
-            "p999": float(np.percentile(kl, 99.9)), "max": float(kl.max())}
-
-
-def logit_figures(quant_logits: np.ndarray, float_logits: np.ndarray, real: np.ndarray) -> dict[str, Any]:
-    """The distribution figures over real positions: (B, T, V) logits, (B, T) bool real -> kld stats, same_top1,
-    top5, rms_dp (RMS of p_quant(top_float) − p_float(top_float)), logits_max_rel."""
-    f, q = np.asarray(float_logits)[real], np.asarray(quant_logits)[real]  # (R, V)
-    if not len(f):
-        raise InputError("no real (non-pad) position to compare; give some real token ids")
-    top = np.argmax(f, axis=-1)  # (R,)
-    rows = np.arange(len(f))
-    p_f, p_q = np.exp(log_softmax(f)[rows, top]), np.exp(log_softmax(q)[rows, top])  # (R,)
-    return {"kld": kld_stats(token_kl(q, f)), "same_top1": float(np.mean(np.argmax(q, axis=-1) == top)),
-            "top5": topk_agreement(q, f, min(5, f.shape[-1])), "rms_dp": float(np.sqrt(np.mean((p_q - p_f) ** 2))),
-            "logits_max_rel": max_rel(q, f)}
-
-
-def state_error(test: np.ndarray, ref: np.ndarray, real: np.ndarray | None = None) -> dict[str, float]:
-    """rel RMS (rms(Δ) / rms(ref)), max|Δ|, cosine, rms(Δ), rms(ref) of a (B, T, ...) state over the real
-    positions (all positions when real is None: upstream's `layers/V/*` goldens count every position)."""
-    a, b = np.asarray(test, np.float64), np.asarray(ref, np.float64)
-    if real is not None:
-        a, b = a[real], b[real]
-    rms_diff, rms_ref = float(np.sqrt(np.mean((a - b) ** 2))), float(np.sqrt(np.mean(b ** 2)))
-    rel = 0.0 if rms_diff == 0 else (rms_diff / rms_ref if rms_ref else math.inf)
-    return {"rel_rms": rel, "max_abs": float(np.max(np.abs(a - b))), "cos": cosine(a, b), "rms_diff": rms_diff,
-            "rms_ref": rms_ref}
-
-
-def sqnr_db(w: np.ndarray, q: np.ndarray) -> float | None:
-    """10·log10(‖w‖² / ‖w − q‖²) in dB; None when q equals w exactly (infinite SQNR)."""
-    w64, q64 = np.asarray(w, np.float64), np.asarray(q, np.float64)
-    noise = float(np.sum((w64 - q64) ** 2))
-    if noise == 0:
-        return None
-    signal = float(np.sum(w64 ** 2))
-    return 10 * math.log10(signal / noise) if signal else -math.inf
-
-
 # ----------------------------------------------------------------------------- running the models
-
-
-@contextlib.contextmanager
-def pinned_torch() -> Iterator[None]:
-    """Full float32 matmuls in torch (no TF32 on a GPU), restored on exit."""
-    cuda = torch.backends.cuda.matmul
-    saved = torch.get_float32_matmul_precision(), cuda.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("highest")
-    cuda.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(saved[0])
-        cuda.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1], saved[2]
 
 
 def _numpy(x: torch.Tensor) -> np.ndarray:
@@ -356,13 +313,6 @@ def forward_states(model: SimpleAttentionNetwork, tokens: torch.Tensor) -> tuple
     return logits, caps
 
 
-def prompt_ends(tokens: np.ndarray, pad_id: int) -> np.ndarray:
-    """Per row, one past its last real token (0: no real token); decoding continues from there."""
-    real = tokens != pad_id
-    last = tokens.shape[1] - np.argmax(real[:, ::-1], axis=1)
-    return np.where(real.any(axis=1), last, 0)
-
-
 @torch.no_grad()
 def greedy_decode(model: SimpleAttentionNetwork, tokens: np.ndarray, pad_id: int, steps: int,
                   device: torch.device) -> np.ndarray:
@@ -381,21 +331,6 @@ def greedy_decode(model: SimpleAttentionNetwork, tokens: np.ndarray, pad_id: int
         out[:, s] = nxt.cpu().numpy()
         buf[rows, ends + s] = out[:, s]
     return out
-
-
-def greedy_figures(float_tokens: np.ndarray, quant_tokens: np.ndarray, rows: np.ndarray) -> dict[str, Any]:
-    """Per row the first step where the two models' tokens differ (None: never), and the fraction of all steps
-    that agree before each row's first divergence."""
-    R, steps = float_tokens.shape
-    firsts = []
-    for f, q in zip(float_tokens, quant_tokens, strict=True):
-        diff = np.flatnonzero(f != q)
-        firsts.append(int(diff[0]) if diff.size else None)
-    agreed = sum(steps if s is None else s for s in firsts)
-    return {"steps": steps, "rows": R, "row_index": rows.tolist(), "first_divergence": firsts,
-            "agree_fraction": agreed / (R * steps) if R * steps else 1.0,
-            "rows_identical": sum(s is None for s in firsts),
-            "float_tokens": float_tokens.tolist(), "quant_tokens": quant_tokens.tolist()}
 
 
 def _unit_order(config: TransformerConfig, units: Sequence[str]) -> list[str]:
@@ -524,8 +459,10 @@ def attribute(run: _Run, f_state: Mapping[str, np.ndarray], q_state: Mapping[str
 
 def compare(float_params: Mapping[str, Any], quantized: Quantized, config: TransformerConfig, batch: Batch, *,
             steps: int = DEFAULT_STEPS, device: str = "cpu", dtype: str = "float32",
-            thresholds: Thresholds = Thresholds(), model_info: Mapping[str, Any] | None = None) -> QuantReport:
-    """The float model (float32 Flax tree) against `quantized` on `batch`; the judged report (see the module doc).
+            thresholds: Thresholds = Thresholds(), model_info: Mapping[str, Any] | None = None,
+            cq_check: dict[str, Any] | None = None) -> QuantReport:
+    """The float model (float32 Flax tree) against `quantized` on `batch`; the judged report (see the module doc),
+    with `cq_check` (a .cact's CQ against this checkpoint's) judged too.
 
     Attribution: a unit is every logits-path parameter of one layer (or of the embedding, an engram site, ...)
     that differs between the two trees; "alone" means the float model with only those tensors swapped in.
@@ -534,7 +471,7 @@ def compare(float_params: Mapping[str, Any], quantized: Quantized, config: Trans
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
     if steps < 0:
         raise NeedleTwinError(f"--steps must be >= 0, got {steps}")
-    dev = torch_device(device)
+    dev = quant_device(device)
     pad = config.pad_token_id
     tokens_np = np.asarray(batch.tokens)
     real = tokens_np != pad  # (B, T)
@@ -574,7 +511,7 @@ def compare(float_params: Mapping[str, Any], quantized: Quantized, config: Trans
                 "counted": "real (non-pad) positions only"},
         model={**dict(model_info or {}), "config": config.to_dict(),
                "num_params": int(sum(np.size(a) for a in flatten_tree(float_params).values()))},
-        environment=_environment(dev, dtype), notes=notes, arrays=arrays)
+        environment=environment(dev, dtype), notes=notes, arrays=arrays, cq_check=cq_check)
     return score(report, thresholds)
 
 
@@ -601,18 +538,6 @@ def _with_swapped(model: SimpleAttentionNetwork, keys: Sequence[str], new: Mappi
         with torch.no_grad():
             for p, k in zip(params, keys, strict=True):
                 p.copy_(torch.from_numpy(np.array(old[k])))
-
-
-def _environment(dev: torch.device, dtype: str) -> dict[str, Any]:
-    try:
-        version = importlib.metadata.version("needle-twin")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    return {"device": str(dev), "dtype": dtype, "precision": {
-                "pinned": True, "torch_float32_matmul_precision": "highest", "tf32": False},
-            "versions": {"python": sys.version.split()[0], "needle-twin": version, "numpy": np.__version__,
-                         "torch": torch.__version__},
-            "platform": platform.platform(), "machine": platform.machine(), "torch_threads": torch.get_num_threads()}
 
 
 def run_quant(float_params: Mapping[str, Any], config: TransformerConfig, *, cact: Any = None, bits: Any = None,
@@ -644,8 +569,26 @@ def run_quant(float_params: Mapping[str, Any], config: TransformerConfig, *, cac
         quantized = dataclasses.replace(quantized, description={**quantized.description, "lora": lora_info},
                                         notes=notes)
     data = quant_batch(config, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed)
+    # a .cact of other weights is refused before any model runs
+    check = None if cact is None else cq_check(params32, quantized, config)
     return compare(params32, quantized, config, data, steps=steps, device=device, dtype=dtype,
-                   thresholds=thresholds, model_info=model_info)
+                   thresholds=thresholds, model_info=model_info, cq_check=check)
+
+
+def cq_check(params32: Mapping[str, Any], quantized: Quantized, config: TransformerConfig) -> dict[str, Any]:
+    """The .cact's CQ leaves against this project's CQ of the float weights at the file's widths, group by group,
+    rounding flips told from real differences (parity_tests/cq_flips.py); a file most of whose groups differ was
+    exported from other weights: refused."""
+    ours = flatten_tree(quantize_bits(params32, config, quantized.description["bits_map"]).params)
+    stacked = stacked_paths(config)
+    leaves = {p: (quantized.widths[tensor_name(p, 0 if p in stacked else None)], groups_along_input(p))
+              for p in quantized.cq_paths}
+    section = refuse_foreign_cact(cq_flips.summarize(cq_flips.compare_trees(
+        flatten_tree(params32), ours, flatten_tree(quantized.params), leaves), CQ_CHECK_REL),
+        quantized.description.get("cact"))
+    section["what"] = ("each CQ record of the .cact against cq_quantize of the checkpoint's float weights (this "
+                       "project's), group by group: flips are groups one rounding step apart within float32 noise")
+    return section
 
 
 # ----------------------------------------------------------------------------- the command
@@ -666,7 +609,7 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
     Thresholds(max_kld, min_top1, kld_stat)
     if dtype not in TORCH_DTYPES:
         raise NeedleTwinError(f"--dtype {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
-    torch_device(device)
+    quant_device(device)
     if steps < 0:
         raise NeedleTwinError(f"--steps must be >= 0, got {steps}")
     if inputs is None:
@@ -678,7 +621,7 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
     ckpt = read_checkpoint(float_ckpt)
     if not isinstance(ckpt.config, TransformerConfig):
         raise NeedleTwinError(f"{float_ckpt} is a {ckpt.family.title} checkpoint; quantization parity is for "
-                              "Needle 2 (.cact / CQ)")
+                              "Needle 2 and Needle 3 (.cact / CQ): give one of theirs")
     report = run_quant(ckpt.params, ckpt.config, cact=cact, bits=bits, inputs=inputs, seq_len=seq_len, batch=batch,
                        seed=seed, steps=steps, lora=lora, device=device, dtype=dtype, max_kld=max_kld,
                        min_top1=min_top1, kld_stat=kld_stat,
@@ -686,17 +629,6 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
                                    "step": ckpt.extra.get("step")})
     write_outputs(report, ((json_path, to_json), (html_path, render_html)), force)
     return report
-
-
-def rescore_file(report_path: str, *, json_path: str | None = None, html_path: str | None = None,
-                 force: bool = False, max_kld: float | None = None, min_top1: float | None = None,
-                 kld_stat: str = "mean") -> QuantReport:
-    """`needle-twin rescore QUANT_JSON --max-kld X --min-top1 Y`: re-judge a saved report, no model runs."""
-    Thresholds(max_kld, min_top1, kld_stat)
-    check_outputs((json_path, html_path), force)
-    new = rescore(load_json(report_path), max_kld, min_top1, kld_stat)
-    write_outputs(new, ((json_path, to_json), (html_path, render_html)), force)
-    return new
 
 
 __all__ = [

@@ -24,7 +24,9 @@ import pytest
 import scipy.special
 import torch
 from rich.console import Console
+from typer.testing import CliRunner
 
+import cli
 from convert.atomic import OutputExistsError
 from convert.errors import ConfigError, NeedleTwinError
 from convert.io import read_checkpoint
@@ -32,11 +34,24 @@ from convert.mapping import random_flax_params
 from convert.safe_pickle import load_file
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2 import cact
+from convert.v2.bits import groups_along_input
 from convert.v2.config import BOS_ID, TransformerConfig
 from convert.v2.cq import cq_mixed_params
 from convert.v2.lora import merge_lora
 from needle_torch.v2 import SimpleAttentionNetwork
+from parity_tests.cq_flips import compare_cq, group_view
 from parity_tests.inputs import Batch, InputError
+from parity_tests.quant_report import (
+    SCHEMA,
+    QuantReport,
+    ReportError,
+    load_json,
+    render_html,
+    render_terminal,
+    rescore,
+    to_json,
+    verdict_text,
+)
 from parity_tests.v2.quant import (
     LOGITS_PATH,
     compare,
@@ -51,16 +66,7 @@ from parity_tests.v2.quant import (
     unquantized,
     widen,
 )
-from parity_tests.v2.quant_report import (
-    SCHEMA,
-    QuantReport,
-    ReportError,
-    load_json,
-    render_html,
-    render_terminal,
-    rescore,
-    to_json,
-)
+from tests.cq_boundary import straddle
 
 torch.set_float32_matmul_precision("highest")  # float32 parity: no reduced-precision matmul passes
 
@@ -209,8 +215,14 @@ def test_bits_spec_gives_the_cact_tree_and_figures(variant, ckpt, params32, repo
     assert not np.array_equal(fb["confidence_head/proj/kernel"], fr["confidence_head/proj/kernel"])
     assert {k: from_bits.widths[k] for k in read.widths} == read.widths
     golden = np.load(f"{DATA}needle-v2-tiny.quant.{variant}.cq.npz")
-    for path in json.loads(str(golden["paths_json"])):  # upstream's JAX quantizer: README-cact's ~1e-6 abs
-        assert np.max(np.abs(fb[path] - golden[path])) <= 1e-6, path
+    bits = json.loads(str(golden["paths_json"])), json.loads(str(golden["bits_json"]))
+    for path in bits[0]:  # upstream's JAX quantizer: README-cact's ~1e-6 abs, outside groups a rounding flip moved
+        along = groups_along_input(path)
+        c = compare_cq(group_view(flatten_tree(params32)[path], along), group_view(golden[path], along),
+                       group_view(fb[path], along), bits[1][path], name=path)
+        assert not c.divergences and c.max_abs_outside <= 1e-6, (path, [str(e) for e in c.divergences[:3]])
+    check = reports[variant].cq_check  # the report's own check of the .cact against this CQ
+    assert check["ok"] and check["divergent_groups"] == 0 and check["groups"] > 0, check
     r = run_quant(ckpt.params, ckpt.config, bits=SPECS[variant], inputs=TOKENS, steps=4)
     c = reports[variant]
     assert r.kld == c.kld and r.same_top1 == c.same_top1 and r.rms_dp == c.rms_dp  # identical logits path
@@ -431,6 +443,53 @@ def test_refusals(ckpt, params32, tmp_path):
         run_quant(params32, ckpt.config, cact=path, inputs=TOKENS)
 
 
+def _with_row(params32, path: str, layer: int, out_row: int, w: np.ndarray) -> dict:
+    flat = {k: np.array(a) for k, a in flatten_tree(params32).items()}
+    flat[path][layer, :, out_row] = w
+    return unflatten_tree(flat)
+
+
+def test_a_cq_flip_in_the_cact_is_reported_and_a_real_difference_fails(ckpt, params32, tmp_path):
+    """A weight group of layer 2's q_proj (output row 7) placed on a CQ rounding boundary (tests/cq_boundary.py):
+    the checkpoint holds it one nudge below, the .cact is written from it one nudge above. The report names that one
+    flip, judges every other group (exactly equal) and passes; the same group moved by ±1e-3 of itself (~10^4
+    float32 steps) is a real difference and the report fails (exit 1)."""
+    path, layer, out_row = "stack/layers/block/self_attn/q_proj/kernel", 2, 7
+    row = flatten_tree(params32)[path][layer, :, out_row]  # (in,): one CQ group (in = 64, zero-padded to 128)
+    below, above, j = straddle(row)
+    cact.write_cact(_with_row(params32, path, layer, out_row, above), ckpt.config, tmp_path / "flip.cact", bits=4)
+    r = run_quant(_with_row(params32, path, layer, out_row, below), ckpt.config, cact=tmp_path / "flip.cact",
+                  batch=2, seq_len=8, steps=0)
+    c = r.cq_check
+    assert c["ok"] and c["flips"] == 1 and c["divergent_groups"] == 0 and c["rel_outside_max"] == 0.0, c
+    (e,) = c["flip_events"]
+    assert (e["tensor"], e["kind"], e["coordinate"]) == (path, "code", j) and e["margin_ulps"] <= 1
+    assert e["row"] == layer * flatten_tree(params32)[path].shape[2] + out_row  # the (L·out, in) group view
+    assert r.passed and r.exit_code == 0
+
+    moved = (row * (1 + 1e-3 * np.random.default_rng(0).choice([-1.0, 1.0], row.shape))).astype(np.float32)
+    cact.write_cact(_with_row(params32, path, layer, out_row, moved), ckpt.config, tmp_path / "moved.cact", bits=4)
+    r = run_quant(params32, ckpt.config, cact=tmp_path / "moved.cact", batch=2, seq_len=8, steps=0)
+    assert not r.cq_check["ok"] and [e["tensor"] for e in r.cq_check["divergence_events"]] == [path]
+    assert not r.passed and r.exit_code == 1 and [c["name"] for c in r.checks if not c["passed"]] == ["cq_check"]
+    assert "differ from this checkpoint's CQ in 1 group" in verdict_text(r)
+    page = render_html(r)
+    assert '<span class="verdict fail">FAIL</span>' in page and "DIVERGENCE" in page
+
+
+def test_a_cact_of_other_weights_is_refused(ckpt, params32, tmp_path):
+    """Same geometry, other weights (each moved by 10 % of itself, as another training run's): most CQ groups
+    differ beyond rounding flips, so the file is refused before any model runs (exit 2, nothing written)."""
+    rng = np.random.default_rng(0)
+    other = unflatten_tree({k: (a * (1 + 0.1 * rng.standard_normal(a.shape))).astype(np.float32)
+                            for k, a in flatten_tree(params32).items()})
+    cact.write_cact(other, ckpt.config, tmp_path / "other.cact", bits=4)
+    out = tmp_path / "q.json"
+    r = CliRunner().invoke(cli.app, ["quant", CKPT, "--cact", str(tmp_path / "other.cact"), "--json", str(out)])
+    assert r.exit_code == 2 and "not exported from this checkpoint" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not out.exists()
+
+
 def test_imports_no_jax():
     code = "import sys, parity_tests.v2.quant; assert 'jax' not in sys.modules and 'flax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -471,7 +530,7 @@ def test_json_round_trip(reports, tmp_path):
 
 def test_schema_doc_names_every_field(reports):
     """QUANT_SCHEMA.md documents every key the report writes (top level, per_layer, per_tensor, greedy, kld)."""
-    doc = open("parity_tests/v2/QUANT_SCHEMA.md", encoding="utf-8").read()
+    doc = open("parity_tests/QUANT_SCHEMA.md", encoding="utf-8").read()
     documented = set(re.findall(r"`([a-z_0-9]+)`", doc))
     d = _strict_json(to_json(reports["q4"]))
     keys = set(d) | set(d["per_layer"][0]) | set(d["per_tensor"][0]) | set(d["greedy"]) | set(d["kld"])
@@ -485,14 +544,16 @@ def test_rescore(reports, tmp_path):
     saved = load_json(path)
     kl, top1 = saved.kld["mean"], saved.same_top1
     ok = rescore(saved, max_kld=kl * 1.01, min_top1=top1)
-    assert ok.passed and ok.exit_code == 0 and [c["passed"] for c in ok.checks] == [True, True]
+    assert ok.passed and ok.exit_code == 0 and [c["passed"] for c in ok.checks] == [True, True, True]
+    assert [c["name"] for c in ok.checks] == ["kld.mean", "same_top1", "cq_check"]  # the .cact's CQ stays judged
     bad = rescore(saved, max_kld=kl * 0.99)
     assert not bad.passed and bad.exit_code == 1 and bad.checks[0]["name"] == "kld.mean"
     assert not rescore(saved, min_top1=min(1.0, top1 + 0.01)).passed
     assert rescore(saved, max_kld=saved.kld["max"], kld_stat="max").passed
     assert not rescore(saved, max_kld=saved.kld["max"] * 0.99, kld_stat="max").passed
     unjudged = rescore(bad)
-    assert unjudged.passed and unjudged.checks == [] and "re-scored" in unjudged.notes[-1]
+    assert unjudged.passed and [c["name"] for c in unjudged.checks] == ["cq_check"]
+    assert "re-scored" in unjudged.notes[-1]
     assert bad.kld == saved.kld and bad.per_layer == saved.per_layer  # figures untouched
     for kwargs in ({"max_kld": -1}, {"min_top1": 1.5}, {"max_kld": 1, "kld_stat": "stderr"}):
         with pytest.raises(ReportError):

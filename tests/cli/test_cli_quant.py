@@ -48,12 +48,16 @@ def test_rescore_a_quant_report(tmp_path):
     (("--bits", "5"), "use 2, 3, 4 or 1.58"),
     (("--cact", DATA / "missing.cact"), "no such file"),
     (("--bits", "4", "--kld-stat", "mode"), "kld"),
+    (("--cact", DATA / "v3" / "needle-v3-tiny.cact"), "a Needle 3 file"),
+    (("--bits", "4", "--depth", "2"), "--depth judges Needle 3 ladder rungs"),
 ])
-def test_quant_usage_errors_exit_2(args, needle):
-    r = _invoke("quant", V2_PKL, *args)
-    assert r.exit_code == 2 and needle in r.output
+def test_quant_usage_errors_exit_2(args, needle, tmp_path):
+    out = tmp_path / "q.json"
+    r = _invoke("quant", V2_PKL, *args, "--json", out)
+    assert r.exit_code == 2 and needle in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not out.exists()
 
 
 def test_quant_refuses_a_v1_checkpoint():
     r = _invoke("quant", DATA / "needle-v1-tiny.pkl", "--bits", "4")
-    assert r.exit_code == 2 and "quantization parity is for Needle 2" in r.output
+    assert r.exit_code == 2 and "quantization parity is for Needle 2 and Needle 3" in r.output

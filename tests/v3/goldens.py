@@ -19,7 +19,8 @@ from convert.v3 import TransformerConfig
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "v3"
 F32_REL = 1e-5  # the project's float32 budget (max|a - b| / max|ref|); upstream vs an f64 reference: 2.3e-6 abs
-NAMES = tuple(sorted(p.name.removesuffix(".npz") for p in DATA.glob("*.npz") if not p.name.endswith(".cact.npz")))
+# a golden is NAME.npz beside NAME.safetensors (NAME.cact.npz and NAME.text.npz are other fixtures' goldens)
+NAMES = tuple(sorted(p.stem for p in DATA.glob("*.npz") if (DATA / f"{p.stem}.safetensors").exists()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """The quantization-parity report: data, judging against thresholds, JSON round trip, re-scoring, terminal and HTML.
 
-`parity_tests.v2.quant` computes it; this module only holds, judges and renders it, so a fresh
-run and a re-scored JSON are judged by one rule (`score`). The JSON schema is documented in
-parity_tests/v2/QUANT_SCHEMA.md; `SCHEMA_VERSION` changes when it does.
+`parity_tests.v2.quant` and `parity_tests.v3.quant` compute it; this module only holds, judges and
+renders it, so a fresh run and a re-scored JSON are judged by one rule (`score`). The JSON schema is
+documented in parity_tests/QUANT_SCHEMA.md; `SCHEMA_VERSION` changes when it does.
 
 The verdict: passed unless a given threshold fails (`max_kld` on one KL statistic, by default
-the mean; `min_top1` on the same-top-1 rate). Without thresholds a report always passes: it
-describes the damage, it does not judge it.
+the mean; `min_top1` on the same-top-1 rate) or a `.cact`'s CQ records differ from this project's
+CQ of the checkpoint beyond rounding flips (`cq_check`). Without thresholds and without a `.cact`
+a report always passes: it describes the damage, it does not judge it.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ class QuantReport:
     checks: list[dict[str, Any]] = field(default_factory=list)
     passed: bool = True
     notes: list[str] = field(default_factory=list)
+    # Needle 3 sections (None where the family or run has none): the three-way table of deploy models, the cost
+    # of each deploy-numerics site, each ladder rung against the full float model, and the .cact's CQ records
+    # against this project's CQ of the float weights (rounding flips told apart).
+    deploy: dict[str, Any] | None = None
+    per_site: list[dict[str, Any]] | None = None
+    per_rung: list[dict[str, Any]] | None = None
+    cq_check: dict[str, Any] | None = None
     # The arrays behind the figures (logits, lane states, greedy tokens); never written to JSON.
     arrays: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -121,6 +129,10 @@ class QuantReport:
             "model": json_safe(self.model),
             "environment": json_safe(self.environment),
             "notes": list(self.notes),
+            "deploy": json_safe(self.deploy),
+            "per_site": json_safe(self.per_site),
+            "per_rung": json_safe(self.per_rung),
+            "cq_check": json_safe(self.cq_check),
         }
 
     @classmethod
@@ -145,6 +157,8 @@ class QuantReport:
                 model=dict(d.get("model") or {}), environment=dict(d.get("environment") or {}),
                 thresholds=Thresholds.from_dict(d["thresholds"]), checks=[dict(c) for c in d["checks"]],
                 passed=bool(d["passed"]), notes=[str(n) for n in d.get("notes", [])],
+                deploy=d.get("deploy"), per_site=d.get("per_site"), per_rung=d.get("per_rung"),
+                cq_check=d.get("cq_check"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ReportError(f"quantization report has a malformed field ({e!s}); the file may be truncated or "
@@ -175,6 +189,10 @@ def score(report: QuantReport, thresholds: Thresholds) -> QuantReport:
         value = report.same_top1
         checks.append({"name": "same_top1", "value": value, "op": ">=", "threshold": thresholds.min_top1,
                        "passed": value is not None and math.isfinite(value) and value >= thresholds.min_top1})
+    if report.cq_check is not None:  # a .cact whose CQ is not this checkpoint's fails whatever the thresholds
+        c = report.cq_check
+        checks.append({"name": "cq_check", "value": c.get("divergent_groups"), "op": "==", "threshold": 0,
+                       "passed": bool(c.get("ok"))})
     return dataclasses.replace(report, thresholds=thresholds, checks=checks, passed=all(c["passed"] for c in checks))
 
 
@@ -276,9 +294,20 @@ def verdict_text(report: QuantReport) -> str:
         return "REPORTED (no thresholds given)"
     failed = [c for c in report.checks if not c["passed"]]
     if not failed:
-        return f"QUANT PARITY HOLDS ({describe_thresholds(report.thresholds)})"
-    return "QUANT PARITY FAILED: " + "; ".join(
-        f"{c['name']} {fmt(c['value'])} not {c['op']} {c['threshold']:g}" for c in failed)
+        held = describe_thresholds(report.thresholds)
+        if report.cq_check is not None:
+            flips = report.cq_check.get("flips")
+            held = f"{held}; the .cact's CQ is this checkpoint's outside {flips} rounding flip(s)"
+        return f"QUANT PARITY HOLDS ({held})"
+    return "QUANT PARITY FAILED: " + "; ".join(_failure(c, report.cq_check) for c in failed)
+
+
+def _failure(check: Mapping[str, Any], cq: Mapping[str, Any] | None) -> str:
+    if check["name"] == "cq_check" and cq is not None:
+        return (f"the .cact's CQ records differ from this checkpoint's CQ in {cq.get('divergent_groups')} group(s) "
+                f"beyond rounding flips (judged error {fmt(cq.get('rel_outside_max'))}, budget "
+                f"{fmt(cq.get('budget_rel'))})")
+    return f"{check['name']} {fmt(check['value'])} not {check['op']} {check['threshold']:g}"
 
 
 def render_terminal(report: QuantReport, console=None, top_tensors: int = 8) -> None:
@@ -321,6 +350,8 @@ def render_terminal(report: QuantReport, console=None, top_tensors: int = 8) -> 
                        fmt(t.get("rel_err"), "f"), style="bold red" if worst else None)
         console.print(t2)
     say(escape(worst_line(report)))
+    for line in deploy_lines(report):
+        say(escape(line))
     for note in report.notes:
         say(f"[dim]note: {escape(note)}[/]")
     colour = "yellow" if not report.checks else ("green" if report.passed else "red")
@@ -451,6 +482,7 @@ def render_html(report: QuantReport) -> str:
     ]
     if report.greedy is not None:
         parts += ["<h2>Greedy decoding</h2>", f"<p>{html.escape(greedy_line(report.greedy))}</p>"]
+    parts += _deploy_html(report)
     parts += ["<h2>Quantized model</h2>", f"<pre>{html.escape(json.dumps(json_safe(q), indent=1))}</pre>",
               "<h2>Inputs</h2>", f"<pre>{html.escape(json.dumps(json_safe(report.inputs), indent=1))}</pre>",
               "<h2>Model</h2>", f"<pre>{html.escape(json.dumps(json_safe(report.model), indent=1))}</pre>",
@@ -459,6 +491,78 @@ def render_html(report: QuantReport) -> str:
         parts += ["<h2>Notes</h2>", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>"]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _kl_cells(f: Mapping[str, Any] | None) -> list[str]:
+    f = f or {}
+    return [fmt(f.get("kld_mean")), fmt(f.get("kld_p99")), fmt(f.get("kld_max")), fmt(f.get("same_top1"), "pct")]
+
+
+def _deploy_html(report: QuantReport) -> list[str]:
+    """The Needle 3 sections: the three-way table, per deploy site, per rung, the .cact's CQ check."""
+    parts = []
+    if report.deploy:
+        rows = [[name, str(m.get("what", "")), *_kl_cells(m)] for name, m in report.deploy.get("models", {}).items()]
+        parts += ["<h2>Float / deploy fake-quant / .cact</h2>",
+                  _table(("model", "what", "KL mean", "KL p99", "KL max", "same top-1"), rows)]
+    if report.per_site:
+        sites = report.per_site
+        parts += ["<h2>Per deploy-numerics site</h2>",
+                  bar_svg([r["site"] for r in sites], [r["cumulative"].get("kld_mean") for r in sites], log=True,
+                          title="KL mean against the float model, sites switched on one at a time over CQ weights"),
+                  _table(("site", "what", "KL mean", "KL p99", "KL max", "same top-1", "KL added", "KL alone"),
+                         [[r["site"], r.get("title", ""), *_kl_cells(r["cumulative"]), fmt(r.get("kld_mean_added")),
+                           fmt((r.get("alone") or {}).get("kld_mean")) if r.get("alone") else "-"] for r in sites])]
+        heads = [(r["site"], h, f) for r in sites for h, f in (r.get("heads") or {}).items()]
+        if heads:
+            parts.append(_table(("site", "head", "max |Δ|", "min cos"),
+                                [[s, h, fmt(f.get("max_abs")), fmt(f.get("min_cos"), "f") if "min_cos" in f else "-"]
+                                 for s, h, f in heads]))
+    if report.per_rung:
+        rungs = report.per_rung
+        models = [k for k in rungs[0] if k not in ("depth", "layers") and not k.endswith("_quant_cost")]
+        for name in models:
+            parts.append(bar_svg([f"d{r['depth']}" for r in rungs], [r[name].get("kld_mean") for r in rungs],
+                                 log=True, title=f"{name}: KL mean of each rung against the full float model"))
+        parts = parts[:len(parts) - len(models)] + ["<h2>Per ladder rung</h2>"] + parts[len(parts) - len(models):]
+        head = ("depth", "layers", *[f"{m} KL mean" for m in models])
+        parts.append(_table(head, [[str(r["depth"]), ",".join(map(str, r["layers"])),
+                                    *[fmt(r[m].get("kld_mean")) for m in models]] for r in rungs]))
+    if report.cq_check:
+        c = report.cq_check
+        parts += ["<h2>.cact CQ records against this checkpoint</h2>",
+                  f"<p>{html.escape(cq_check_line(c))}</p>"]
+        events = [*c.get("flip_events", []), *c.get("divergence_events", [])]
+        if events:
+            parts.append(_table(("tensor", "row", "group", "kind", "margin (ulp)", "verdict"),
+                                [[e["tensor"], str(e["row"]), str(e["group"]), e["kind"], f"{e['margin_ulps']:.1f}"
+                                  if e.get("margin_ulps") is not None else "inf",
+                                  "flip" if e in c.get("flip_events", []) else "DIVERGENCE"] for e in events]))
+    return parts
+
+
+def cq_check_line(c: Mapping[str, Any]) -> str:
+    return (f"{c.get('groups')} CQ groups: {c.get('flips')} rounding flip(s), {c.get('divergent_groups')} real "
+            f"difference(s); the rest within {fmt(c.get('rel_outside_max'))} relative (budget "
+            f"{fmt(c.get('budget_rel'))}): {'ok' if c.get('ok') else 'NOT OK'}")
+
+
+def deploy_lines(report: QuantReport) -> list[str]:
+    """The Needle 3 sections in plain lines (terminal)."""
+    lines = []
+    for name, m in (report.deploy or {}).get("models", {}).items():
+        lines.append(f"{name}: KL mean {fmt(m.get('kld_mean'))}, same top-1 {fmt(m.get('same_top1'), 'pct')}")
+    for r in report.per_site or []:
+        alone = f"; alone {fmt(r['alone'].get('kld_mean'))}" if r.get("alone") else ""
+        lines.append(f"site {r['site']}: KL mean {fmt(r['cumulative'].get('kld_mean'))} (added "
+                     f"{fmt(r.get('kld_mean_added'))}{alone})")
+    for r in report.per_rung or []:
+        cells = ", ".join(f"{k} {fmt(v.get('kld_mean'))}" for k, v in r.items()
+                          if isinstance(v, dict) and not k.endswith("_quant_cost"))
+        lines.append(f"rung d{r['depth']}: KL mean vs the full float model: {cells}")
+    if report.cq_check:
+        lines.append(".cact CQ check: " + cq_check_line(report.cq_check))
+    return lines
 
 
 __all__ = [
