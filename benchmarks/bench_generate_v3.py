@@ -9,7 +9,8 @@ bfloat16 (weights and compute dtype), EOS never stopping our rows. Methods (cell
                   for --upstream-steps steps (each step costs the same: one full forward).
   flax            needle_flax.v3.generate: one jit (prefill + a while_loop of cached steps)
   torch-eager     needle_torch.v3.generate
-  torch-compiled  needle_torch.fast.v3.generate: the same loop, its decoding steps through torch.compile
+  torch-compiled  needle_torch.v3.generate with compile=True: the same loop, its one-token steps through
+                  torch.compile (needle_torch.fast.v3)
 Reported per cell:
   tok/s           end to end: new tokens / the whole request (prefill included), best of --repeats
   decode tok/s    the steps after the first token: B·(G - 1) / their time (torch: stamped by the streamer; Flax and
@@ -204,18 +205,15 @@ def run_flax(cfg: TransformerConfig, tree: dict, prompts: np.ndarray, args) -> d
 def run_torch(model, prompts: np.ndarray, compiled: bool, args) -> dict:
     import torch
 
-    from needle_torch.fast import v3 as fast_v3
-
     tokens = torch.from_numpy(prompts)
     B, G = prompts.shape[0], args.new_tokens
-    generate = fast_v3.generate if compiled else model.generate
 
     def request() -> tuple[float, float]:
         """(time to the first token, time of the G - 1 steps after it)."""
         stamps = []
         start = time.perf_counter()
-        generate(tokens, G, eos_token_id=None, streamer=lambda _: stamps.append(time.perf_counter())) if not compiled \
-            else generate(model, tokens, G, eos_token_id=None, streamer=lambda _: stamps.append(time.perf_counter()))
+        model.generate(tokens, G, eos_token_id=None, streamer=lambda _: stamps.append(time.perf_counter()),
+                       compile=compiled)
         return stamps[0] - start, stamps[-1] - stamps[0]
 
     first = sum(request())
