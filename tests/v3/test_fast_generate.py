@@ -8,12 +8,15 @@ of CPU); a second request of the same shapes compiles nothing."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import convert
 from convert.v3 import TransformerConfig
+from needle_torch.fast.kernels import CompileFallbackWarning
 from needle_torch.v3 import SimpleAttentionNetwork
 from tests.torch_threads import torch_threads
 from tests.v3 import goldens
@@ -74,3 +77,18 @@ def test_compiled_steps_stop_rows_at_eos_as_the_plain_loop(model):
     ref = model.generate(tokens, G, eos_token_id=eos)
     assert (ref[0, 4:] == 0).all()
     torch.testing.assert_close(model.generate(tokens, G, eos_token_id=eos, compile=True), ref, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # a kv window changes both layers' graphs: another ~40 s of compiling
+def test_compiled_steps_under_a_kv_window_with_sinks(model):
+    """The global layer's sink store (fed by selection, so the step traces as one graph) and the windowed masks."""
+    tokens = prompts(0)
+    sink = torch.zeros_like(tokens)
+    sink[:, 2], sink[0, 0] = 1, 1  # past the window of 6 for most steps; row 0's first prompt token too
+    kw = dict(eos_token_id=None, return_logits=True, temperature=5.0, seed=3, kv_window=6, sink=sink.numpy())
+    ref, ref_logits = model.generate(tokens, G, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)  # compiled, not the eager fallback
+        out, logits = model.generate(tokens, G, compile=True, **kw)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert step_rel(logits, ref_logits) <= F32_REL
