@@ -37,7 +37,7 @@ __version__ = _package_version()
 
 app = typer.Typer(
     name="needle-twin",
-    help="Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2).",
+    help="Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2, Needle 3).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -140,7 +140,7 @@ def _root(
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
     ] = None,
 ) -> None:
-    """Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2)."""
+    """Flax/JAX <-> PyTorch parity and weight conversion for the Needle model family (v1, Needle 2, Needle 3)."""
 
 
 # --- convert commands: convert, inspect, diff ---
@@ -344,7 +344,7 @@ def parity_command(
         "--torch", help="Check this independently converted torch checkpoint instead of converting in memory.")] = None,
     family: Annotated[Optional[str], typer.Option(
         "--family", help=f"The embedded default model's family when no checkpoint is given: "
-                         f"{', '.join(FAMILIES)} (default v2, Needle 2 'base', 45M).")] = None,
+                         f"{', '.join(FAMILIES)} (default v3, Needle 3 at upstream's default config, 127.2M).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype of both twins: float32, bfloat16, float16.")
                      ] = "float32",
     mode: Annotated[str, typer.Option("--mode", help="propagated: both run end to end (drift budget); isolated: "
@@ -374,6 +374,9 @@ def parity_command(
     suppress_special: Annotated[Optional[bool], typer.Option(
         "--suppress-special/--allow-special", help="Keep greedy generation off the special ids (default: only for the "
                                                    "embedded random model, which would stop at EOS at once).")] = None,
+    depth: Annotated[Optional[str], typer.Option(
+        "--depth", help="Needle 3: also compare the twins at ladder rung d (exit_depth and subnetwork_only logits, "
+                        "and the sliced rung model), or at every rung 2..L with 'all'.")] = None,
     lora: Annotated[Optional[str], typer.Option(
         "--lora", help="Needle 2: a LoRA adapter (pickle or PEFT dir) for the checkpoint; compare its A/B gradients "
                        "(Flax: upstream's merge in the loss; torch: PEFT).")] = None,
@@ -398,7 +401,8 @@ def parity_command(
         lengths=family_options or {}, seed=seed, inputs=inputs, tokenizer=tokenizer, queries=tuple(query or ()),
         tools=tools, json_path=json_path, html_path=html_path, force=force, torch_device=torch_device,
         jax_platform=jax_platform, pin_precision=precision == "highest", grads=grads, generate=generate,
-        suppress_special=suppress_special, overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol), lora=lora))
+        suppress_special=suppress_special, overrides=_overrides(profile, rtol, atol, kl_max, grad_rtol), lora=lora,
+        depth=depth))
     _show_report(report, quiet)
 
 

@@ -15,14 +15,14 @@ the step that ran (kernels, torch.compile or eager):
                 the tied embedding, the engram projections, the K/V cache over the mean attended length)
                 / the copy bandwidth measured in the same process (2 x bytes / time of a 256 MiB copy_ into a
                 preallocated, already written buffer: benchmarks/bandwidth.py)
-  x upstream    against upstream's own figures on the 2-core AVX2 machine (issue 14; upstream decodes in float32),
+  x upstream    against upstream's own figures on a 2-core AVX2 machine (upstream decodes in float32),
                 like for like: decode tok/s against decode tok/s (decode.py's loop 12.1 tok/s at batch 1, the
                 batched rollout's steps 69 tok/s at batch 32), end to end against end to end (batch 1: 64 tokens
                 after a 412 ms prefill at 12.1 tok/s = 11.4 tok/s; batch 32: the rollout's 47.7 tok/s). Machines
                 differ (a 2-core avx512_bf16 EPYC ran upstream's batch-1 loop at 14.5 tok/s, prefill 267 ms): for
                 ratios measured side by side, run benchmarks/bench_flax_v2.py first and pass its upstream rows with
                 --upstream loop_b1=<decode tok/s> prefill_ms=<prefill ms> (batch 32: steps_b32=, rollout_b32=)
-Targets (issue): batch 1 >= 10x the loop in float32 (>= 121 tok/s) and >= 50 % of the bound in bf16; batch 32
+Targets: batch 1 >= 10x the loop in float32 (>= 121 tok/s) and >= 50 % of the bound in bf16; batch 32
 >= 5x the rollout; prefill <= 412 ms at batch 1.
 
 Both CPU kinds in one run: every cell set runs in its own process, once on this CPU as it is and once as an
@@ -342,7 +342,8 @@ def machine() -> dict:
     flags = cpu_flags()
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
     return {"cpu": cpuinfo("model name") or "unknown", "vendor": cpuinfo("vendor_id") or "unknown",
-            "cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags], "torch": torch.__version__}
+            "cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags],
+            "absent": [f for f in wanted if f not in flags], "torch": torch.__version__}
 
 
 def result_record(kind: str, env: dict, res: dict) -> dict:

@@ -103,6 +103,12 @@ class Adapter(ABC):
         """(the config both twins run, a note for the report or None)."""
         return config, None
 
+    def depths(self, config: Any, depth: str | None) -> tuple[int, ...]:
+        """`--depth d|all` -> the depth rungs whose outputs the run compares too (families with a depth ladder)."""
+        if depth is None:
+            return ()
+        raise NeedleTwinError(f"{self.family.title} has no depth ladder; drop --depth")
+
     def generation(self, twins, batch, steps: int, suppress: Sequence[int] | None) -> dict | None:
         """The report's greedy-generation section (None: the family has no decoder to compare)."""
         return None

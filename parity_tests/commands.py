@@ -27,7 +27,7 @@ from parity_tests.report import rescore as rescore_report
 from parity_tests.tolerances import device_class, get_profile, profile_by_name, with_overrides
 
 EMBEDDED_MODEL_SEED = 0  # the embedded default: random_flax_params(<family>.published, seed=0)
-DEFAULT_FAMILY = "v2"  # the family of the embedded default model (`--family`): Needle 2, what users download
+DEFAULT_FAMILY = "v3"  # the family of the embedded default model (`--family`): Needle 3 at upstream's default size
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class ParityRequest:
     # for the embedded random v1 model, whose tied output otherwise echoes the fed token (EOS) and stops at step 0
     suppress_special: bool | None = None
     overrides: Overrides = Overrides()
+    depth: str | None = None  # `--depth d|all`: compare the twins at ladder rung d too, or at every rung
     lora: str | None = None  # an adapter file or PEFT directory for the checkpoint: its A/B gradients are compared
 
 
@@ -197,7 +198,7 @@ def parity(request: ParityRequest) -> Report:
                               "(upstream's has none); drop it")
     spec = resolve(adapter, config, dtype=r.dtype, mode=r.mode, profile=profile, torch_device=r.torch_device,
                    jax_platform=r.jax_platform, pin_precision=r.pin_precision, grads=r.grads, generate=r.generate,
-                   suppress_tokens=adapter.special_ids if suppress_special else None)
+                   suppress_tokens=adapter.special_ids if suppress_special else None, depth=r.depth)
     report = run(spec, models.flax_params, data, torch_params=models.torch_params, lora=lora_adapter,
                  model_info=info, seeds=seeds)
     write_outputs(report, ((r.json_path, to_json), (r.html_path, render_html)), r.force)

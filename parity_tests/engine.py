@@ -53,6 +53,28 @@ def compare_probes(table: list[probes.Probe], test: Mapping[str, np.ndarray],
     return out
 
 
+def depth_note(report: Report, depths: Sequence[int], ref: Mapping[str, np.ndarray],
+               test: Mapping[str, np.ndarray]) -> str:
+    """Whether the twins agree at each compared depth rung (its probes are named `depth{d}.*`), and how close each
+    twin's sliced rung model (`depth{d}.sliced_logits`, where the family has one) comes to its own
+    subnetwork_only logits: the same function computed two ways, so it should hold to the probes' budget too."""
+    failed = [d for d in depths if not all(p.passed for p in report.probes if p.name.startswith(f"depth{d}."))]
+    rungs = ", ".join(map(str, depths))
+    if not failed:
+        note = f"depth rungs {rungs}: the twins agree on every rung"
+    else:
+        note = f"depth rungs {rungs}: the twins disagree at rung(s) {', '.join(map(str, failed))}"
+    budget = report.profile.drift.max_rel
+    sliced = [d for d in depths if f"depth{d}.sliced_logits" in ref]
+    if sliced:
+        worst = {side: max(metrics.max_rel(vals[f"depth{d}.sliced_logits"], vals[f"depth{d}.sub_logits"])
+                           for d in sliced) for side, vals in (("Flax", ref), ("torch", test))}
+        agree = "agree" if max(worst.values()) <= budget else "DISAGREE"
+        note += (f"; sliced rung models vs subnetwork_only logits (rungs {', '.join(map(str, sliced))}): {agree}, "
+                 f"worst max rel Flax {worst['Flax']:.2e}, torch {worst['torch']:.2e} (budget {budget:.2e})")
+    return note
+
+
 def count_params(params: Mapping[str, Any]) -> int:
     return int(sum(np.size(v) for v in flatten_tree(params).values()))
 
@@ -99,15 +121,16 @@ class RunSpec:
     generate: int  # greedy steps (0 = none)
     suppress_tokens: tuple[int, ...] | None  # ids greedy decoding may not pick
     note: str | None  # what `prepare` changed, for the report
+    depths: tuple[int, ...] = ()  # depth rungs compared too (`--depth`)
 
 
 def resolve(adapter: Adapter, config: Any, *, dtype: str = "float32", mode: str = "propagated",
             profile: Profile | None = None, torch_device: str = "cpu", jax_platform: str = "cpu",
             pin_precision: bool = True, grads: bool = True, generate: int = 8,
-            suppress_tokens: Sequence[int] | None = None) -> RunSpec:
+            suppress_tokens: Sequence[int] | None = None, depth: str | None = None) -> RunSpec:
     """Check a run's options and fix them in a RunSpec; the defaults are what `needle-twin parity` does.
 
-    profile: None = the family's for the dtype and devices.
+    profile: None = the family's for the dtype and devices. depth: `--depth d|all` (families with a ladder).
     """
     if mode not in MODES:
         raise NeedleTwinError(f"--mode {mode!r} is not one of {', '.join(MODES)}")
@@ -117,7 +140,8 @@ def resolve(adapter: Adapter, config: Any, *, dtype: str = "float32", mode: str 
                               f"{dtype}; pick the {dtype} profile or drop --profile")
     run_config, note = adapter.prepare(config, dtype, jax_platform)
     return RunSpec(adapter, run_config, dtype, mode, profile, torch_device, jax_platform, pin_precision, grads,
-                   generate, None if suppress_tokens is None else tuple(suppress_tokens), note)
+                   generate, None if suppress_tokens is None else tuple(suppress_tokens), note,
+                   adapter.depths(config, depth))
 
 
 def run(spec: RunSpec, flax_params: Mapping[str, Any], batch: Batch, *,
@@ -133,6 +157,7 @@ def run(spec: RunSpec, flax_params: Mapping[str, Any], batch: Batch, *,
     with pinned_precision(spec.pin_precision):
         twins = build_twins(adapter, config, flax_params, spec.dtype, torch_params, spec.torch_device,
                             spec.jax_platform)
+        twins.depths = spec.depths
         table = adapter.probe_table(twins)
         ref = adapter.flax_probes(twins, batch)
         test = adapter.torch_probes(twins, batch, ref if spec.mode == "isolated" else None)
@@ -149,6 +174,8 @@ def run(spec: RunSpec, flax_params: Mapping[str, Any], batch: Batch, *,
     report = score(report, spec.profile)
     if spec.note:
         report.notes.append(spec.note)
+    if spec.depths:
+        report.notes.append(depth_note(report, spec.depths, ref, test))
     if spec.mode == "propagated" and report.first_divergence is not None:
         report.notes.append("propagated errors include drift from every earlier stage; --mode isolated feeds each "
                             "torch stage the Flax input and shows that stage's own error")

@@ -13,8 +13,9 @@ from parity_tests.adapter import Adapter
 from parity_tests.tolerances import Profile, get_profile
 from parity_tests.v1.adapter import ADAPTER as V1
 from parity_tests.v2.adapter import ADAPTER as V2
+from parity_tests.v3.adapter import ADAPTER as V3
 
-ADAPTERS: dict[str, Adapter] = {a.name: a for a in (V1, V2)}
+ADAPTERS: dict[str, Adapter] = {a.name: a for a in (V1, V2, V3)}
 
 
 def adapter_named(name: str) -> Adapter:

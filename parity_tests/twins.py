@@ -30,6 +30,7 @@ class Twins:
     torch_model: Any
     jax_device: Any
     torch_device: Any
+    depths: tuple[int, ...] = ()  # depth rungs the run compares too (families with a ladder)
 
     def to_jax(self, a: np.ndarray):
         return jax.device_put(a, self.jax_device)

@@ -7,6 +7,7 @@ name that is gone, or shared names in another order fail the test.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -34,13 +35,10 @@ ONE_SIDED = {
         ("F32_MIN", "FLASH_NEG",  # the masked-logit values jax.nn.dot_product_attention writes
          "write_kv",  # Flax writes the cache with lax.dynamic_update_slice inline (_write_kv)
          "sigmoid", "silu",  # XLA:CPU's bf16 roundings of jax.nn.sigmoid and silu, written out
-         "walsh_factors", "prepare_walsh", "walsh_transform",  # the Walsh product's forms and its cache
-         "QUERY_BLOCK", "dot_product_attention",  # upstream's attention written out
+         "walsh_transform",  # the Walsh product as a function (Flax: inline in HadamardMLP)
+         "dot_product_attention",  # upstream's attention written out
          "decode_layer"),  # one lane layer of a cached step, a nested compile region
     ),
-    ("v2", "lanes.py"): ((), (
-        "rms_factor", "route",  # the routing's product in the form compiled CPU graphs take
-    )),
     ("v2", "engram.py"): ((), ("MASK32",)),  # torch has no uint32: the hash wraps through a mask
     ("v2", "generate.py"): (
         ("new_cache", "decode_step"),  # the torch twin's are methods of SimpleAttentionNetwork
@@ -80,3 +78,27 @@ def test_each_twin_pair_declares_the_same_names_in_the_same_order(family, name):
 
 def test_every_one_sided_entry_names_a_pair_of_a_family():
     assert set(ONE_SIDED) <= set(PAIRS)
+
+
+SHAPES = re.compile(r"Shapes: (.*?)(?=\n\n|\Z)", re.S)
+
+
+def glossary(path: Path) -> str | None:
+    """The module docstring's "Shapes:" paragraph, whitespace collapsed (None where it has none)."""
+    found = SHAPES.search(ast.get_docstring(ast.parse(path.read_text())) or "")
+    return " ".join(found.group(1).split()) if found else None
+
+
+@pytest.mark.parametrize("family, name", PAIRS, ids=[f"{f}/{n}" for f, n in PAIRS])
+def test_each_twin_pair_declares_the_same_shape_letters(family, name):
+    flax = glossary(REPO / "needle_flax" / family / name)
+    torch = glossary(REPO / "needle_torch" / family / name)
+    assert flax is not None, "each twin file says what its shape letters mean"
+    assert flax == torch, "the twins' shape glossaries differ (one letter, two meanings, or one side only)"
+
+
+def test_the_glossary_check_sees_a_letter_one_side_lacks(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text('"""X.\n\nShapes: B batch,\nT length.\n"""\n')
+    b.write_text('"""X.\n\nShapes: B batch, T length, G sites.\n"""\n')
+    assert glossary(a) == "B batch, T length." and glossary(a) != glossary(b)

@@ -18,6 +18,7 @@ FAMILY = Family(
     docs_config=TransformerConfig(vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, num_layers=3,
                                   qk_head_dim=16, v_head_dim=24, engram_layers=(1,), global_layers=(2,),
                                   sliding_window=8, engram_slots=64),
+    parity_options=(CliOption("seq_len", int, "sequence length of the random batch", default=64),),
     groups=mapping.GROUPS,
     default_groups=mapping.DEFAULT_GROUPS,
     pickle_version=2,  # cactus-needle 3.0.0 still wrote pickles for paths not ending in .safetensors

@@ -6,8 +6,8 @@ into this tree and `parity_tests` compares it against the golden fixtures.
 The one addition is `sow("intermediates", ...)` probes: they are no-ops unless
 the caller makes "intermediates" mutable, and they carry no parameters.
 
-Shapes: B batch, S source length, T target length, D d_model, H heads,
-K kv heads, h head dim, F d_ff, V vocab, L layers, C contrastive dim.
+Shapes: B batch, S source length, T target length, D d_model, H heads, K kv heads, G = H/K query heads per kv
+head, h head dim, F d_ff, V vocab, L layers, C contrastive dim.
 """
 
 from __future__ import annotations

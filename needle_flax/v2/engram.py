@@ -4,8 +4,8 @@ Every site (`engrams_{g}`) reads the same table rows and masks; only its tables,
 projections and taps differ. The masks are read off the attention mask, so padding,
 windows and packing reach the engram exactly as they reach attention.
 
-Shapes: B batch, T length, D d_model, N tables (= |O|·E, order-major), S slots per table,
-s sub_dim, O the n-gram orders.
+Shapes: B batch, T length, D d_model, O the n-gram orders, E engram heads, N = |O|·E tables (order-major), S
+slots per table, s sub_dim (N·s <= D).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from convert.errors import ConfigError
 from convert.v3.config import ENGRAM_TAPS, HADA_COND_RANK, TransformerConfig, hada_perms, walsh_matrix
 from convert.v3.ladder import ladder_layer_ranks
 from needle_flax.layers import (
+    PROBES,
     ZCRMSNorm,
     apply_rope,
     compute_dtype,
@@ -179,12 +180,16 @@ class MultiHeadAttention(nn.Module):
         q = _dense(H * hq, dt, "q_proj")(x)  # (B, T, H·hq)
         k = _dense(K * hq, dt, "k_proj")(x)  # (B, T, K·hq)
         v = _dense(K * hv, dt, "v_proj")(x)  # (B, T, K·hv)
+        for name, value in (("q", q), ("k", k), ("v", v)):
+            self.sow(PROBES, name, value)
         if tau:
             taps = [self.param(f"{p}_taps", _taps_init, (tau, w)).astype(dt)
                     for p, w in (("q", H * hq), ("k", K * hq), ("v", K * hv))]
             # The layer's own mask (window or global) decides which past positions a tap may read.
             tap_ok = None if mask is None else jnp.stack([mask_diag(mask, j) for j in range(tau)]).astype(q.dtype)
             q, k, v = (conv_taps(z, t, tap_ok) for z, t in zip((q, k, v), taps, strict=True))
+            for name, value in (("q_conv", q), ("k_conv", k), ("v_conv", v)):
+                self.sow(PROBES, name, value)
 
         q = q.reshape(B, -1, H, hq).transpose(0, 2, 1, 3)  # (B, H, T, hq)
         k = k.reshape(B, -1, K, hq).transpose(0, 2, 1, 3)  # (B, K, T, hq)
@@ -289,6 +294,7 @@ class Block(nn.Module):
             ek, ev = engram_kv  # (G, B, T, D) each
             # Upstream's einsum strings verbatim (s = site), so jnp.einsum plans the contraction the same way.
             alpha = nn.sigmoid(jnp.einsum("btd,sbtd->sbt", rms_unit(x), rms_unit(ek)) / math.sqrt(cfg.d_model))
+            self.sow(PROBES, "engram_gate", alpha)  # (G, B, T)
             # Every site is summed, weighted by whether it belongs to this layer (site_flags (G,)), in f32.
             x = x + jnp.einsum("s,sbt,sbtd->btd", site_flags.astype(jnp.float32), alpha,
                                ev.astype(jnp.float32)).astype(x.dtype)
@@ -296,12 +302,15 @@ class Block(nn.Module):
         skip = x
         x = ZCRMSNorm(dtype=dt)(x)  # auto-named ZCRMSNorm_0: upstream's param name
         x = MultiHeadAttention(cfg, name="self_attn")(x, mask=mask, rope=rope, quant=quant)
+        self.sow(PROBES, "attn_out", x)
         x = ZCRMSNorm(dtype=dt, name="post_attn_norm")(x)
         x = skip + nn.sigmoid(self.param("attn_gate", jinit.zeros, ())).astype(dt) * x
 
         skip = x
         x = ZCRMSNorm(dtype=dt, name="pre_hada_norm")(x)
-        return skip + HadamardMLP(cfg, name="hadamard_mlp")(x)
+        x = HadamardMLP(cfg, name="hadamard_mlp")(x)
+        self.sow(PROBES, "mlp_out", x)
+        return skip + x
 
 
 class MHCLayer(nn.Module):
@@ -325,15 +334,20 @@ class MHCLayer(nn.Module):
         block = Block(cfg, name="block")
 
         def advance(stream, pre_off, post_off, block_module):
+            self.sow(PROBES, "lanes_in", stream)
             xf = stream.astype(jnp.float32)  # (B, T, n, D)
             nx = _aq(flat_lanes(stream), quant, cfg.act_bits)  # (B, T, n·D): one A8 group over the whole row
             r_pre, r_post, r_res = project(nx, (hc["phi_pre"], hc["phi_post"], hc["phi_res"]))
-            u = read_lanes(pre_weights(r_pre, hc["a_pre"], hc["b_pre"], pre_off), xf, dt)  # (B, T, D)
+            hpre = pre_weights(r_pre, hc["a_pre"], hc["b_pre"], pre_off)  # (B, T, n)
+            u = read_lanes(hpre, xf, dt)  # (B, T, D)
             # The block keeps its own residuals; subtracting u in dt is upstream's rounding path.
             y = block_module(u, mask=mask, rope=rope, quant=quant, engram_kv=engram_kv, site_flags=site_flags) - u
             hpost = post_weights(r_post, hc["a_post"], hc["b_post"], post_off)
             hres = _sinkhorn(hc["a_res"] * r_res.reshape(*r_res.shape[:-1], n, n) + hc["b_res"])  # (B, T, n, n)
-            return write_lanes(hres, xf, hpost, y, dt)  # (B, T, n, D)
+            out = write_lanes(hres, xf, hpost, y, dt)  # (B, T, n, D)
+            for name, value in (("hpre", hpre), ("u", u), ("hpost", hpost), ("hres", hres), ("lanes_out", out)):
+                self.sow(PROBES, name, value)
+            return out
 
         def advance_sub(mdl, stream):
             return advance(stream, hc["sub_pre_off"], hc["sub_post_off"], mdl)
@@ -412,7 +426,7 @@ class Stack(nn.Module):
         body = nn.remat(MHCLayer) if cfg.remat else MHCLayer
         layers = nn.scan(
             body,
-            variable_axes={"params": 0},  # per-layer params stacked on axis 0
+            variable_axes={"params": 0, PROBES: 0},  # per-layer params and captures stacked on axis 0
             split_rngs={"params": True},
             metadata_params={nn.PARTITION_NAME: "layers"},
             length=L,
@@ -429,7 +443,9 @@ class Stack(nn.Module):
             both = final_norm(jnp.concatenate([jnp.mean(s, axis=2) for s in carry], axis=0))  # (2B, T, D)
             x, sub_x = jnp.split(both, 2, axis=0)  # (B, T, D) each
             return x, hidden, sub_x
-        return final_norm(jnp.mean(carry, axis=2)), hidden  # (B, T, D)
+        x = final_norm(jnp.mean(carry, axis=2))  # (B, T, D)
+        self.sow(PROBES, "final_hidden", x)
+        return x, hidden
 
 
 # ----------------------------------------------------------------------------- probe-pooled heads
@@ -493,12 +509,14 @@ class ProbeHead(nn.Module):
         name = self.key.removesuffix("_head")
         L1, D = cells.shape[2], cells.shape[3]
         k, Q = getattr(self.config, f"{name}_probes"), getattr(self.config, f"{name}_queries")
-        return probe_pool(cells, keep,
-                          head_weight(self.param("probes", default_init(), (L1, k, D)), quant),
-                          self.param("gain", jinit.ones, (L1, k)),
-                          head_weight(self.param("query", default_init(), (Q, D)), quant),
-                          self.param("row_bias", jinit.zeros, (Q, L1, k)),
-                          row_keep, compute_dtype(self.config))
+        out = probe_pool(cells, keep,
+                         head_weight(self.param("probes", default_init(), (L1, k, D)), quant),
+                         self.param("gain", jinit.ones, (L1, k)),
+                         head_weight(self.param("query", default_init(), (Q, D)), quant),
+                         self.param("row_bias", jinit.zeros, (Q, L1, k)),
+                         row_keep, compute_dtype(self.config))
+        self.sow(PROBES, "pooled", out)
+        return out
 
     @nn.compact
     def __call__(self, cells, keep=None, row_keep=None, quant=False):
@@ -588,8 +606,13 @@ class SimpleAttentionNetwork(nn.Module):
         logits (exit_only), or only rung d's own logits computed alone (subnetwork_only). mask defaults to causal."""
         if mask is None:
             mask = make_causal_mask(tokens.shape[1])
+        x0 = self._embed(tokens)
+        self.sow(PROBES, "embed", x0)
         engram_kv = self._engram_kv(tokens, mask, quant)
-        out = self.stack(self._embed(tokens), mask=mask, rope=self._rope(tokens.shape[1]), engram_kv=engram_kv,
+        if engram_kv is not None:
+            self.sow(PROBES, "engram_k", engram_kv[0])
+            self.sow(PROBES, "engram_v", engram_kv[1])
+        out = self.stack(x0, mask=mask, rope=self._rope(tokens.shape[1]), engram_kv=engram_kv,
                          quant=quant, exit_depth=exit_depth, subnetwork_only=subnetwork_only)
         if subnetwork_only or exit_depth is None:
             return self._logits(out[0], quant)

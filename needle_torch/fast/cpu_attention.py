@@ -7,12 +7,8 @@ in bf16 it gave the torch form's results bit for bit on random inputs). It is bu
 toolchain and cache (the compiler a compiled CPU step needs anyway), once per (dtype, query heads per kv head, head
 dim), and enters compiled graphs as the custom op `needle_twin::decode_attention`.
 
-Why: fused torch ops read the cache at 5-8 GB/s in a batch-32 step (one horizontal sum per key and query head),
-where the kernel streams each (row, kv head)'s keys and values once and skips the masked ones. Published size,
-256-token prompts, 2 threads on a 2-core AMX Xeon, compiled steps with and without the kernel alternating in one
-process (medians): batch 32 float32 119.6 against 145.9 ms a step, bf16 79.5 against 91.8 ms; batch 8 float32 41.4
-against 44.6 ms; batch 4 47.9 against 47.6 (even); batch 1 slower with it (p10 26.8 against 20.5 ms: the fused
-form costs no call). Hence MIN_UNITS.
+Why: fused torch ops read the cache with one horizontal sum per key and query head; the kernel streams each
+(row, kv head)'s keys and values once and skips the masked ones. It costs a call, hence MIN_UNITS.
 """
 
 from __future__ import annotations

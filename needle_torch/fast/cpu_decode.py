@@ -9,39 +9,10 @@ transform as butterflies instead of a dense product): float32 layers within 8.4e
 bit in nearly every element. Built through inductor's C++ toolchain and cache once per (kernel, dtype, model
 shape); a step calls them with tables of parameter pointers, 3 calls (the lane layers in one), no graph.
 
-Why: at batch 1 the compiled torch step spent its time between kernels, not in them: the inductor wrapper's
-Python calls and a dozen parallel regions a layer with serial code between them (AOTInductor without the wrapper
-still took 16.3 ms for the 27 layers in float32). benchmarks/bench_torch_v2.py at the published size, 2 threads of
-a 2-core AMX Xeon, the kernels' steps against the torch.compile step (`--modes compiled traced`, one process per
-dtype, decode tok/s): batch 1 float32 69.9 against 43.6, bf16 115.2 against 53.0; batch 2 121.6 / 46.8 and
-143.6 / 95.0; batch 4 142.4 / 61.9 and 306.9 / 120.2; batch 8 194.4 / 182.3 and 381.2 / 136.8; batch 16 256.4 /
-215.9 and 367.7 / 296.1 (a noisy host: copy bandwidth 14.8-18.2 GB/s). At batch 32 the two steps measured alike
-(kernels' step medians bf16 80.0 ms, float32 116.8 ms, against ~80 and ~120 ms for the compiled step in earlier
-sessions), the kernels' per-row work and per-key attention sums growing with the rows; hence MAX_ROWS.
-
-Where the CPU has AMX tiles, products of bf16 inputs of 4 rows or more run on them (blocks of 16 weight rows against
-16 input rows at a time), and the lane routing's Sinkhorn runs a vector lane per row. In one process, steps
-alternating (bf16, published size, 256 cached positions, medians of 40): batch 32 48.0 ms against 70.7 ms for the
-torch.compile step; per layer the q/gate/k/v products took 178 against 818 us with the dot products alone and
-out_proj 79 against 270 us. float32 has no tiles: at batch 32 its kernels' step measured 97.5 against 91.5 ms for the
-torch.compile one, at 16 rows 60.1 against 67.2.
-
-Where the CPU has the AVX512-BF16 dot products but no tiles, bf16 steps take the kernels up to 32 rows as well, since
-their products read each weight row once for all rows (ROW_PREFETCH below): on a 2-core Zen 4 EPYC (avx512_bf16, no
-AMX), published size, 256-token prompts, 2 threads, the two steps alternating in one process (medians of 63 steps a
-request): batch 32 26.9, 27.4, 30.2, 30.8 against 33.7, 32.8, 39.7, 37.7 ms for the torch.compile step, the same
-tokens; batch 48 48.9, 46.5 against 45.0, 53.6 (alike); batch 64 65.6, 64.9, 66.3 against 55.1, 63.5, 62.6; float32
-batch 32 75.5, 72.9, 76.6 against 45.2, 43.4, 45.1. Hence BF16_MAX_ROWS = 32 for bf16 wherever its products run on
-the CPU's bf16 units (max_rows), and 16 rows otherwise.
-
-The products of few input vectors (up to 8 in float32, any number with the bf16 dot products) read their weight
-rows one after another, one stream per thread with an L2 prefetch ahead (decode_step.cpp, ROW_PREFETCH), not 4
-rows interleaved: on a 2-core Zen 4 EPYC (avx512_bf16, no AMX) the interleaved order read the weights at 9 GB/s a
-thread against the 20 GB/s a one-thread `sum` reads. Published size, 2 threads, steps of the kernels before and
-after, processes alternating (ms a step, best request of 2-3): batch 1 float32 7.3-7.7 against 10.7-11.6, bf16
-4.3-4.5 against 6.9-8.1; batch 4 float32 13.1-15.3 against 20.4-21.4, bf16 7.7-8.1 against 8.9-10.5; batch 16 bf16
-19.9-20.1 against 26.3-26.5 (float32 at 16 rows keeps the interleaved order: 48.6-52.4 against 56.1-59.7 in the
-same runs, the host's drift between processes). The sums are the same in either order.
+Why: at few rows a compiled torch step spends its time between kernels (the wrapper's Python calls, a dozen
+parallel regions a layer), not in them; hence MAX_ROWS and BF16_MAX_ROWS. With AMX tiles, bf16 products of 4 rows
+or more run on them; products of few rows read weight rows one stream per thread with an L2 prefetch
+(ROW_PREFETCH), which reads at a one-thread `sum`'s bandwidth where 4 interleaved rows did not.
 """
 
 from __future__ import annotations

@@ -10,21 +10,8 @@ float32: at 2048 random rows of the published width 0.07 % of the kernel's outpu
 rounding the other way), 60 % of the compiled torch form's. It is built through inductor's own C++ toolchain and
 cache, once per (D, P, dtype), and enters compiled graphs as the custom op `needle_twin::hadamard_mlp`.
 
-Why: compiled, the MLP at many rows took two library products (MKL) and a batched one per Walsh transform, each a pass
-over the rows, plus the fused elementwise kernels between them; here each row stays in L1 from its load to its store.
-Published size (D = P = 512), float32, 2 threads of a 2-core Zen 4 EPYC, the kernel and the torch form alternating in
-one process: the compiled MLP alone at 2048 rows (a prefill chunk) 2.3 against 4.6 ms, at 32 rows (a batch-32 step)
-0.063 against 0.096 ms (medians of 40); in the batch-32 compiled prefill of 256-token prompts (profiled, medians of 4)
-the op took 219 ms where the Walsh products took 263 ms, and the fused kernels 882 against 930 ms; batch-32 steps 57.0
-against 57.9 ms (medians of 80 pairs, faster in 70 %). The butterflies of pairs less than a vector apart run in
-registers (csrc/walsh.h, shared with the decoding step: the scalar butterflies took 3.6 ms at 2048 rows, one product
-with H_16's rows 1.2 ms; against that product, alternating in one process, medians of 40 and 100: bf16 1.04-1.05 against
-1.13-1.14 ms with the same outputs bit for bit, float32 0.75-0.87 against 0.84-0.87 ms, faster in 3 runs of 4, 2 %
-slower in the other). bf16, the same Zen 4 (avx512_bf16): 2048 rows 1.47 against 4.8 ms for the compiled torch form
-(medians of 30); the batch-32 compiled prefill of 256-token prompts 2.495 against 2.568 s with the kernel's build
-switched off (medians of 8, alternating in one process; faster in 7 of 8 pairs). As AVX2 code (ATEN_CPU_CAPABILITY=avx2
-TORCHINDUCTOR_CPP_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2, ATen's software rounding) at 2048 rows: 2.29 against 5.4-8.4
-ms; a whole prefill on an AVX2-only CPU was not measured.
+Why: compiled, the MLP at many rows is several library products, each a pass over the rows; here each row stays
+in L1 from its load to its store.
 """
 
 from __future__ import annotations

@@ -11,22 +11,9 @@ no AMX tiles (_dots), there summing q·k and p·v on those dot products. It is b
 and cache, once per (dtype, query heads per kv head, head dim), and enters compiled graphs as the custom op
 `needle_twin::prefill_attention`.
 
-Why: torch's CPU flash kernel runs a prefill block's shapes (32 queries, a few hundred keys, head dim 64) at about a
-third of the CPU's float32 peak; the kernel transposes each (row, kv head)'s keys once and computes the logits and
-p·v as register tiles, the two query heads of a kv head sharing every key and value load. Published size, 2 threads
-of a 2-core Zen 4 EPYC, 8 prompts of 256 tokens (a prefill chunk's layer): 5.4 against 9.0-9.5 ms for SDPA's blocks
-(each with its mask's bias built; medians of 30, alternating). Its register tiles are sized to the build's vector
-registers (32 with AVX-512, 16 in AVX2 code); as an AVX2-only CPU builds it (ONEDNN_MAX_CPU_ISA=AVX2
-ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CPP_MARCH=x86-64-v3: 8-float vectors, 16 registers) the same layer took
-6.8-7.4 against 7.6-8.3 ms for SDPA's blocks (eager, each building its bias; medians of 60, three processes).
-bf16 as AVX2 code, the same layer compiled, medians of 30 alternating in one process: 6.6-7.4 ms against 18.4-19.3
-for the explicit attention on upcast copies; the batch-32 bf16 prefill (compiled-all) 4.45-4.51 against 6.31 s,
-processes alternating. On a CPU with bf16 units the float32 form measured no faster than SDPA's fused bf16 kernel
-(the same Zen 4's batch-32 prefill 2.72-2.89 against 2.88-2.89 s); the dot-product form (dp: each instruction adds
-pairs of exact bf16 products into 16 float32 lanes, twice the multiply-adds of a float32 one) took 2.6-2.7 ms for that
-layer against 6.2-6.5 ms for SDPA's blocks and 5.4-5.8 ms for the float32 form (eager, medians of 30, alternating
-in one process; the outputs of the two forms equal in all but 0.009 % of elements, one bf16 ulp apart there). Where
-the CPU has AMX tiles, whose bf16 products SDPA's kernel can use, compiled bf16 prefills keep SDPA (not measured).
+Why: torch's CPU flash kernel runs a prefill block's shapes well below the CPU's float32 peak; the kernel computes
+the logits and p·v as register tiles sized to the build's vector registers (32 with AVX-512, 16 in AVX2 code), the
+query heads of a kv head sharing every key and value load.
 """
 
 from __future__ import annotations

@@ -23,22 +23,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-# ----------------------------------------------------------------------------- the one switch
+# ----------------------------------------------------------------------------- the switch the fast forms read
 
-# Every fast form below asks enabled() first; generate(..., fast=False) turns them all off for one request, so that
-# the plain modules run as written (eager or under a plain torch.compile). A module global: torch.compile guards on
-# it, so a graph traced with the fast forms is never reused without them.
+# The fast forms below ask enabled() first; seam.fast_paths(model, False) turns them off for one request, so that
+# what generate runs itself (chunked prefills, compiled-pass options) is plain too. A module global: torch.compile
+# guards on it, so a graph traced with the fast forms is never reused without them.
 _ENABLED = True
 
 
 def enabled() -> bool:
-    """Whether the fast forms of this package apply (generate's `fast` argument; on by default)."""
+    """Whether the fast forms of this package apply where they are called (off inside fast_paths(model, False))."""
     return _ENABLED
 
 
 @contextmanager
-def fast_paths(on: bool) -> Iterator[None]:
-    """Run the block with the fast forms on or off (restored after, also on an error)."""
+def switched(on: bool) -> Iterator[None]:
+    """Run the block with enabled() answering `on` (restored after, also on an error)."""
     global _ENABLED
     before, _ENABLED = _ENABLED, bool(on)
     try:
@@ -49,9 +49,8 @@ def fast_paths(on: bool) -> Iterator[None]:
 
 # ----------------------------------------------------------------------------- bf16 products by CPU capability
 
-# CPUs whose bf16 products oneDNN runs in hardware (AVX512-BF16 dot products, AMX tiles). Elsewhere (AVX2 or plain
-# AVX-512) it emulates them: on an AVX2-only EPYC a (256, 512) x (512, 512) bf16 product took 7.1 ms against
-# 1.3 ms in float32, 1.4 ms upcast (0.6 ms native here). XLA upcasts on such CPUs, and so does the "upcast" path.
+# CPUs whose bf16 products oneDNN runs in hardware (AVX512-BF16 dot products, AMX tiles). Elsewhere it emulates
+# them, slower than float32; XLA upcasts on such CPUs, and so does the "upcast" path.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # oneDNN's ISA names in order (ONEDNN_MAX_CPU_ISA caps the kernels it dispatches to); bf16 units from here on.
 _ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
@@ -160,15 +159,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- float32 products by CPU vendor
 
-# torch's float32 products on x86 CPUs are MKL's, and MKL runs its AVX-512 kernels on Intel CPUs only (elsewhere its
-# AVX2 ones); oneDNN, also inside torch, picks its kernels by ISA alone. Measured on a 2-core Zen 4 EPYC (avx512, 2
-# threads, float32, medians of 7, MKL against oneDNN): (2048, 512) x (512, 512)ᵀ 9.3 against 6.4 ms, (2048, 512) x
-# (1536, 512)ᵀ 27.0 against 18.8 ms, (2048, 2048) x (24, 2048)ᵀ 2.8 against 1.9 ms, (32, 512) x (512, 512)ᵀ 248 against
-# 211 us, (32, 512) x (8192, 512)ᵀ 6.2 against 2.8 ms; with oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, MKL's own
-# level there) still 8.0 against 7.5 ms and 4.9 against 3.7 ms. So compiled CPU graphs route their float32 products
-# through oneDNN on CPUs that are not Intel's (onednn_linear); eager code keeps the library product. Both sum in
-# float32 (max|Δ| / max|ref| against float64: 4e-7 MKL, 1e-6 oneDNN at 512 terms): the same function up to the order
-# of the float32 sums.
+# torch's float32 products on x86 CPUs are MKL's, and MKL runs its AVX-512 kernels on Intel CPUs only; oneDNN, also
+# inside torch, picks its kernels by ISA alone. So compiled CPU graphs route their float32 products through oneDNN on
+# CPUs that are not Intel's (onednn_linear); eager code keeps the library product. Both sum in float32.
 F32_PATH_ENV = "NEEDLE_TWIN_F32"  # "onednn" or "library": force a path (benchmarks and tests compare both)
 
 
@@ -231,17 +224,11 @@ def _onednn_f32() -> bool:
     return f32_path().onednn  # a constant to torch.compile
 
 
-# A decode step's products of few rows run faster against a weight oneDNN has reordered into its blocked layout for
-# that row count than against the plain one, which it reorders on the fly (2-core Zen 4 EPYC, float32, 27 weights in
-# turn, medians: (32, 512) x (512, 512)ᵀ 153 against 210 us, (32, 512) x (8192, 512)ᵀ 1.8 against 2.6 ms; the same
-# values bit for bit there). So onednn_linear keeps a packed copy of every nn.Parameter it multiplies by at up to
+# oneDNN multiplies few rows faster by a weight already reordered into its blocked layout for that row count than by
+# one it reorders on every call. So onednn_linear keeps a packed copy of every nn.Parameter it multiplies by at up to
 # PACK_MAX_ROWS rows, for the last row count seen, until the parameter dies, changes (version counter, storage) or
-# meets another row count. Only parameters: an intermediate's buffer can be rewritten by compiled code without its
-# version counter knowing. The copies cost the weights' size again (float32 at the published size: 138 weights, 132
-# MB; a bf16 model's on the upcast path, bf16_path, twice it: its copies are float32, so that its steps do not upcast
-# every weight again each call; on the native path, packs_bf16, bf16 copies of its own size); prefills (more rows) use
-# the plain weights. Batch-32 float32 compiled steps at the published size, packed and plain alternating in one process
-# (6 rounds, medians of 63 steps): 50.0-58.9 against 57.8-70.7 ms, faster in every round, the same logits bit for bit.
+# meets another row count. Only parameters: compiled code can rewrite an intermediate's buffer without its version
+# counter knowing. The copies cost the weights' size again (a bf16 model's on the upcast path twice: float32 copies).
 PACK_MAX_ROWS = 64
 # first parameter -> ((version, data_ptr) of each, weak references to the others, rows, packed weight)
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -312,9 +299,7 @@ def _onednn_bf16() -> bool:
 def packs_bf16(x: Tensor, w: Tensor) -> bool:
     """Whether the bf16 product x (..., I) @ w (O, I)ᵀ runs through onednn_linear against a kept packed bf16 copy of
     w: a compiled CPU step of REDUCE_MAX_ROWS < rows <= PACK_MAX_ROWS on the native bf16 path (bf16_path) whose
-    oneDNN runs bf16, for inference. The library product (inductor's extern mm) reorders w on every call; packed,
-    (32, 512) x (512, 512)ᵀ took 53.5 against 64.2 us alone, and a layer's q, k, v and gate stacked (shared_input)
-    137-144 against 253-293 us read cold (2-core Zen 4 EPYC with avx512_bf16, medians), the values bit for bit."""
+    oneDNN runs bf16, for inference. The library product (inductor's extern mm) reorders w on every call."""
     return (x.dtype == w.dtype == torch.bfloat16 and REDUCE_MAX_ROWS < x.shape[:-1].numel() <= PACK_MAX_ROWS
             and compiling_for_cpu(x.device) and not upcasts(x.dtype, x.device) and _onednn_bf16() and _inference(x, w))
 
@@ -331,12 +316,9 @@ def linear_f32(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 # ----------------------------------------------------------------------------- reductions under compile
 
-# Under torch.compile on CPU, a product with at most this many rows (a decode step's few tokens) is written
-# as a multiply-and-sum. Inductor then fuses it with the ops around it into one vectorised pass that reads
-# each weight once in its stored dtype (bf16 weights upcast in registers), where a GEMV call per projection
-# is bound by call overhead at this size (published size, bf16, batch 1: 2.4 ms a step against 6.5 ms with
-# the oneDNN calls; batch 4: 443 against 361 tokens/s; batch 8: 473 against 540, hence 4). Eager mode,
-# larger products and GPUs (not measured here; cuBLAS has its own GEMV) keep the library kernels.
+# Under torch.compile on CPU, a product with at most this many rows (a decode step's few tokens) is written as a
+# multiply-and-sum, which inductor fuses with the ops around it into one pass reading each weight once in its stored
+# dtype: at this size a library call per projection is bound by its overhead. Eager code and GPUs keep the library.
 REDUCE_MAX_ROWS = 4
 
 
@@ -368,15 +350,8 @@ def stored(x: Tensor) -> Tensor:
     each of them: inductor's force_stride_order prim with x's own strides. Elsewhere, and where the prim is missing
     (another torch), `x` itself: the same function.
 
-    Inductor inlines the ops that make a product's input into the multiply-and-sum, so a norm before the products
-    ran once per weight row: Needle v1's logits recomputed the final norm, a division included, 8192 times a step.
-    Its model stores its norms' outputs that feed products. Published size, bf16 batch-1 compiled steps, 2 threads
-    of a 2-core Zen 4 EPYC, processes alternating: as AVX2 code (x86-64-v3, ATen and oneDNN capped at AVX2) 1.82-1.98
-    against 2.28-2.93 ms; this CPU's AVX-512 code 1.64-1.65 against 2.04-2.20 ms; float32 as AVX2 code 2.20-2.21
-    against 2.42-2.52 ms. The stored input is rounded to its dtype, as eager's is (inductor had kept it in float32).
-    Storing every few-row product's input the same way (attention's too) slowed the Needle 2 torch.compile step
-    (bf16 batch 1 132.0-138.9 against 134.6-145.1 tok/s, float32 99.4-100.1 against 109.6-112.0), so it is not
-    done there."""
+    Inductor inlines the ops that make a product's input into each multiply-and-sum that reads it, so a norm before
+    the products would run once per weight row. Stored, it runs once, rounded to its dtype as eager's is."""
     if not as_reduction(x.shape[:-1].numel(), x.device):
         return x
     force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
@@ -423,36 +398,16 @@ def hooked(module: nn.Module | None = None) -> bool:
 
 
 def bare_linear(module: nn.Module) -> bool:
-    """Whether `module` is this package's Linear without a bias (not nn.Linear, not a LoRA wrapper)."""
-    return type(module) is Linear and module.bias is None
-
-
-def _bare(layer: nn.Module) -> bool:
-    """Whether calling `layer` is just its product: a bare_linear without hooks of any kind."""
-    return bare_linear(layer) and not hooked(layer) and not hooked()
-
-
-def repeated_region(fn: Callable) -> Callable:
-    """Mark `fn` (one layer's work, the layer module its first argument) as torch.compile's nested compile
-    region: traced and compiled once, then stamped out for every layer of a compiled step instead of being
-    retraced for each. Eagerly a plain call. The region is reused only while its inputs look alike (shapes,
-    dtypes, constants), so whatever differs per layer must come in as a tensor."""
-    return torch.compiler.nested_compile_region(fn)
+    """Whether `module` is an nn.Linear or this package's Linear, without a bias (not a subclass, not a LoRA
+    wrapper)."""
+    return type(module) in (nn.Linear, Linear) and module.bias is None
 
 
 # ----------------------------------------------------------------------------- prefill in row chunks
 
-# A prefill of many prompts runs as row chunks of at most this many tokens, for the allocator, not the arithmetic (a
-# product of 2048 rows is as efficient as one of 8192): the intermediates of a 32 x 256-token prefill at the published
-# size are 16-67 MB, and glibc mmaps every allocation above its largest threshold (32 MiB) afresh, so its pages fault in
-# on first touch, op after op; in chunks of 2048 tokens they stay at or below 16 MiB and come from the heap. Each
-# prompt's prefill reads only its own row, so the chunks give the same function (the same tokens and, at the published
-# size, the same logits bit for bit). Measured at the published size on a 2-core avx512_bf16 EPYC, 32 x 256-token
-# prompts, requests alternating in one process (chunked vs whole, prefill): eager bf16 7.7-8.1 vs 14.1-15.9 s, eager f32
-# 10.0-11.0 vs 14.2-15.2 s, compiled (compile="all") bf16 4.1-4.5 vs 5.7-6.0 s, f32 5.5-5.9 vs 6.4-6.8 s. In a sweep of
-# chunk sizes (eager bf16) 4096 tokens took 13.1-14.2 s, 1024-2048 7.2-10.2 s. On a 2-core AVX2-only EPYC (eager f32,
-# alternating) chunks of 512, 1024 and 2048 tokens took 14.5-17.3, 14.4-15.6 and 15.1-16.1 s: no size pays there, so the
-# one value serves both kinds.
+# A prefill of many prompts runs as row chunks of at most this many tokens, for the allocator: glibc mmaps every
+# allocation above 32 MiB afresh, so a whole batch's intermediates fault their pages in op after op; in chunks they
+# come from the heap. Each prompt's prefill reads only its own row, so the chunks give the same function.
 PREFILL_TOKENS = 2048
 
 
@@ -542,7 +497,8 @@ def compiled(fn: Callable, options: dict | None = None) -> Callable:
     """`fn` under torch.compile (one wrapper per function and options; graphs cached per shapes, dtypes and
     None-ness of its arguments, up to torch._dynamo.config.recompile_limit: past it, `CompiledStep` runs eagerly and
     warns). options: inductor settings for this function's graphs."""
-    key = (fn, None if options is None else tuple(sorted(options.items())))
+    # enabled() in the key: a plain and a fast trace of one function never share a wrapper (nor its graphs)
+    key = (fn, None if options is None else tuple(sorted(options.items())), _ENABLED)
     if key not in _compiled:
         _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     return _compiled[key]
@@ -550,7 +506,7 @@ def compiled(fn: Callable, options: dict | None = None) -> Callable:
 
 def skip_guards() -> AbstractContextManager:
     """Later steps repeat step 0's call with the same model, cache and shapes: skip re-checking its ~200 tensor
-    guards (0.28 ms of a 3 ms step at batch 1; 0.07 ms with the skip). Diff guards still pick the graph."""
+    guards (about a tenth of a batch-1 step). Diff guards still pick the graph."""
     return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
 

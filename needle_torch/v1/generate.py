@@ -8,7 +8,7 @@ compile=True each step (and its greedy pick) is one fused torch.compile graph.
 Contract (shared with `needle_flax.generate`): tokens (B, 1 + steps) start with EOS;
 each row stops at its first EOS (kept) and holds `pad_token_id` after it; the loop ends
 when every row has stopped or after `max_new_tokens` steps; `suppress_tokens` are never
-chosen. Shapes: B batch, S source length, L = max_new_tokens, V vocab.
+chosen. Shapes: B batch, S source length, L cache length (= max_new_tokens), V vocab.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from convert.generation import check_generate_args
-from needle_torch.fast.kernels import CompiledStep, fast_paths
+from needle_torch.fast.kernels import CompiledStep
+from needle_torch.fast.seam import fast_paths
 from needle_torch.layers import make_causal_mask, make_padding_mask
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
@@ -103,8 +104,8 @@ def generate(model: nn.Module, src: Tensor, src_mask: Tensor | None = None, max_
     the whole cache under a mask). On CPU at batch <= 4 the step's products are written as reductions
     (needle_torch.fast.kernels.REDUCE_MAX_ROWS) that inductor fuses into a few passes reading every weight once in its
     own dtype. Compiles once per (batch, source length, max_new_tokens, dtype, mask or not, suppress or not);
-    EOS/pad ids and the suppressed set are tensor inputs, so new values reuse the graph. 15-30 s on 2 CPU cores the
-    first time, seconds when inductor's disk cache hits. Past dynamo's recompile limit a request runs eagerly with a
+    EOS/pad ids and the suppressed set are tensor inputs, so new values reuse the graph (inductor's disk cache
+    also keeps it across processes). Past dynamo's recompile limit a request runs eagerly with a
     needle_torch.fast.kernels.CompileFallbackWarning. Guards are checked on a request's first step only: later steps
     run under torch.compiler.set_stance(skip_guard_eval_unsafe), which is process-wide, so compiled generation is
     not for concurrent threads. float32 logits stay within 1e-6 of eager; in bfloat16 inductor keeps some
@@ -114,18 +115,18 @@ def generate(model: nn.Module, src: Tensor, src_mask: Tensor | None = None, max_
     plain modules as written, eagerly or under a plain torch.compile: the baseline the fast forms are measured
     against.
     """
-    with fast_paths(fast):
+    with fast_paths(model, fast):
         return _generate(model, src, src_mask, max_new_tokens, eos_token_id, suppress_tokens, pad_token_id,
                          streamer, return_logits, compile)
 
 
 def _generate(model, src, src_mask, max_new_tokens, eos_token_id, suppress_tokens, pad_token_id, streamer,
               return_logits, compile):
-    """generate's body, run inside fast_paths(fast)."""
+    """generate's body, run inside fast_paths(model, fast)."""
     src, src_mask, suppress, encoder_out = _prepare(model, src, src_mask, max_new_tokens, eos_token_id,
                                                     pad_token_id, suppress_tokens)
     L = int(max_new_tokens)
-    cache = model.new_cache(encoder_out, L, compiled=compile)  # cross K/V projected here, once
+    cache = model.new_cache(encoder_out, L)  # cross K/V projected here, once
     # 0-d tensors: the ids are graph inputs (as Flax's int32 scalars), not constants compiled into a graph.
     eos, pad = (torch.tensor(i, device=model.device) for i in (eos_token_id, pad_token_id))
     # compiled: 0-d tensor positions, one graph for every step; eager: int positions, the filled prefix only.

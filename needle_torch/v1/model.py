@@ -6,8 +6,8 @@ attention scores/softmax/PV, and logits. Where upstream's JAX type promotion dec
 dtype, the matching line here says so explicitly, because torch promotes 0-dim tensors
 and python scalars differently.
 
-Shapes: B batch, S source length, T target length, D d_model, H heads,
-K kv heads, G = H/K, h head dim, F d_ff, V vocab, L layers, C contrastive dim.
+Shapes: B batch, S source length, T target length, D d_model, H heads, K kv heads, G = H/K query heads per kv
+head, h head dim, F d_ff, V vocab, L layers, C contrastive dim.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from convert.v1.config import TransformerConfig
-from needle_torch.fast.kernels import Linear, as_reduction, matmul_nt, reduces_when_compiled, stored
 from needle_torch.layers import (
     Tap,
     ZCRMSNorm,
@@ -45,11 +44,9 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) 
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
     qk_dtype = torch.promote_types(q.dtype, k.dtype)
-    reduce = as_reduction(B * T, q.device)
-    if qk_dtype == torch.float32 and not reduce:
-        # Same function as upstream; SDPA shares K/V across the G query heads (GQA)
-        # without materialising the repeats. An additive finfo.min mask equals
-        # where(mask, s, min) exactly: |s| is far below min's spacing.
+    if qk_dtype == torch.float32:
+        # SDPA shares K/V across the G query heads (GQA) without materialising the repeats. An additive
+        # finfo.min mask equals where(mask, s, min) exactly: |s| is far below min's spacing.
         bias = None
         if mask is not None:
             bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device)
@@ -61,12 +58,12 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) 
     # The G query heads of a KV head become rows of one product against that head's keys: GQA
     # without broadcasting k and v over G (a broadcast matmul copies them G times).
     q = q.reshape(B, K, H // K * T, h)  # (B, K, G*T, h): head K*g+j reads kv head K
-    scores = matmul_nt(q, k, qk_dtype, reduce)  # (B, K, G*T, S)
+    scores = q.to(qk_dtype) @ k.to(qk_dtype).transpose(-1, -2)  # (B, K, G*T, S)
     scores = scores.float().view(B, K, H // K, T, S) / math.sqrt(h)  # (B, K, G, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min)
     probs = scores.softmax(dim=-1).view(B, K, H // K * T, S)  # (B, K, G*T, S)
-    out = matmul_nt(probs, v.float().transpose(-1, -2), torch.float32, reduce)  # (B, K, G*T, h)
+    out = probs @ v.float()  # (B, K, G*T, h)
     return out.reshape(B, H, T, h)
 
 
@@ -79,10 +76,10 @@ class MultiHeadAttention(nn.Module):
         D, h, K = config.d_model, config.head_dim, config.num_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, K, h
         self.rope_keys_only = rope_keys_only
-        self.q_proj = Linear(D, D, bias=False)
-        self.k_proj = Linear(D, K * h, bias=False)
-        self.v_proj = Linear(D, K * h, bias=False)
-        self.out_proj = Linear(D, D, bias=False)
+        self.q_proj = nn.Linear(D, D, bias=False)
+        self.k_proj = nn.Linear(D, K * h, bias=False)
+        self.v_proj = nn.Linear(D, K * h, bias=False)
+        self.out_proj = nn.Linear(D, D, bias=False)
         self.q_norm = ZCRMSNorm(h)
         self.k_norm = ZCRMSNorm(h)
 
@@ -148,9 +145,9 @@ class FeedForward(nn.Module):
         super().__init__()
         D, Fd = config.d_model, config.d_ff
         self.activation = config.activation
-        self.gate_proj = Linear(D, Fd, bias=False)
-        self.up_proj = Linear(D, Fd, bias=False)
-        self.down_proj = Linear(Fd, D, bias=False)
+        self.gate_proj = nn.Linear(D, Fd, bias=False)
+        self.up_proj = nn.Linear(D, Fd, bias=False)
+        self.down_proj = nn.Linear(Fd, D, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, F)
@@ -229,10 +226,10 @@ class DecoderBlock(nn.Module):
                 cache: LayerCache | None = None, cache_pos: int | Tensor = 0,
                 cross_kv: tuple[Tensor, Tensor] | None = None, deterministic: bool = True) -> Tensor:
         drop = _dropout(self.dropout, deterministic)
-        y = stored(self.self_attn_norm(x))  # (stored: computed once where compiled few-row products read it)
+        y = self.self_attn_norm(x)
         a = self.self_attn(y, y, self_mask, rope, cache=cache, cache_pos=cache_pos)
         x = x + _gate(self.self_attn_gate, x.dtype) * drop(a)
-        c = self.cross_attn(stored(self.cross_attn_norm(x)), encoder_out, cross_mask, static_kv=cross_kv)
+        c = self.cross_attn(self.cross_attn_norm(x), encoder_out, cross_mask, static_kv=cross_kv)
         x = x + _gate(self.cross_attn_gate, x.dtype) * drop(c)
         if self.has_ffn:
             x = x + _gate(self.ffn_gate, x.dtype) * drop(self.ffn(self.ffn_norm(x)))
@@ -281,7 +278,7 @@ class Decoder(nn.Module):
             else:
                 x = layer(x, None, self_mask, cross_mask, rope, cache.layers[i], cache_pos, cache.cross_kv[i],
                           deterministic)
-        return stored(self.final_norm(x))
+        return self.final_norm(x)
 
 
 # ----------------------------------------------------------------------------- model
@@ -300,8 +297,8 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         self.embed_scale = math.sqrt(D)
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
-        self.contrastive_hidden = Linear(D, D // 4)
-        self.contrastive_proj = Linear(D // 4, config.contrastive_dim, bias=False)
+        self.contrastive_hidden = nn.Linear(D, D // 4)
+        self.contrastive_proj = nn.Linear(D // 4, config.contrastive_dim, bias=False)
         self.log_temp = nn.Parameter(torch.zeros(()))
         self.logits_tap = Tap()
         self.contrastive_tap = Tap()
@@ -330,10 +327,8 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
 
     def _logits(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """float32 logits against the tied embedding; weight: that embedding already in float32 (V, D)."""
-        if as_reduction(x.shape[:-1].numel(), x.device):  # reads the embedding in its own dtype, upcast in-kernel
-            return self.logits_tap(matmul_nt(x, self.embedding.weight, torch.float32, reduce=True))
         weight = self.embedding.weight.float() if weight is None else weight
-        return self.logits_tap(matmul_nt(x, weight, torch.float32))  # (B, T, V) float32, tied
+        return self.logits_tap(x.float() @ weight.T)  # (B, T, V) float32, tied
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None, *, deterministic: bool = True,
                ) -> tuple[Tensor, Tensor | None]:
@@ -355,11 +350,8 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
 
     # ------------------------------------------------------------------ cached decoding
 
-    def new_cache(self, encoder_out: Tensor, max_len: int, compiled: bool = False) -> DecoderCache:
-        """Empty float32 self-attention buffers for max_len positions and cross K/V projected once.
-
-        compiled: the steps will run under torch.compile; when their logits read the embedding in place
-        (reduces_when_compiled), no float32 copy of it is made."""
+    def new_cache(self, encoder_out: Tensor, max_len: int) -> DecoderCache:
+        """Empty float32 self-attention buffers for max_len positions and cross K/V projected once."""
         B, cfg = encoder_out.shape[0], self.config
         shape = (B, cfg.num_kv_heads, max_len, cfg.head_dim)
         layers = [
@@ -370,8 +362,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         # float32 (p @ v runs in float32), so keeping it upcast is exact; K stays in the compute dtype (q k^T).
         cross = [(k.contiguous(), v.float().contiguous())
                  for k, v in (layer.cross_attn.project_kv(encoder_out) for layer in self.decoder.layers)]
-        in_place = compiled and reduces_when_compiled(B, self.device)
-        return DecoderCache(layers, cross, self._rope(max_len), None if in_place else self.embedding.weight.float())
+        return DecoderCache(layers, cross, self._rope(max_len), self.embedding.weight.float())
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache, cache_pos: int | Tensor,
                     self_mask: Tensor | None = None, cross_mask: Tensor | None = None) -> Tensor:

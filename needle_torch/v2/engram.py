@@ -5,8 +5,8 @@ has no dependable uint32 multiply, so the hash runs in int64 and is reduced mod 
 every multiply (products stay below 2^57), and the final shift acts on the reduced, hence
 non-negative, value, which makes torch's arithmetic shift the logical one upstream uses.
 
-Shapes: B batch, T length, D d_model, O orders, E engram heads, N = |O|·E tables,
-S slots per table, s sub_dim (N·s <= D), G sites.
+Shapes: B batch, T length, D d_model, O the n-gram orders, E engram heads, N = |O|·E tables (order-major), S
+slots per table, s sub_dim (N·s <= D).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from convert.v2.config import ENGRAM_TAPS, TransformerConfig
-from needle_torch.fast.kernels import Linear
 from needle_torch.v2.lanes import aq
 
 HASH_SEED = 0x9E3779B9  # table k starts from (SEED · (k + 1)) mod 2^32
@@ -83,8 +82,8 @@ class Engram(nn.Module):
         N, S, s, D = config.num_engram_tables, config.engram_slots, config.engram_sub_dim, config.d_model
         self.dilation = config.engram_dilation
         self.embedding = nn.Parameter(torch.empty(N, S, s))
-        self.key_proj = Linear(N * s, D, bias=False)
-        self.value_proj = Linear(N * s, D, bias=False)
+        self.key_proj = nn.Linear(N * s, D, bias=False)
+        self.value_proj = nn.Linear(N * s, D, bias=False)
         self.taps = nn.Parameter(torch.empty(ENGRAM_TAPS, D))
 
     def forward(self, idx: Tensor, ngram_ok: Tensor, tap_ok: Tensor, quant: bool | Tensor = False,

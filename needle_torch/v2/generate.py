@@ -7,7 +7,8 @@ upstream's does. `generate_recompute` is upstream's run.py loop (the whole PAD-f
 length P + G re-run every step, logits read at the current position): the reference the cached
 path must reproduce. Both share the contract below and one choice rule (`pick`).
 
-Shapes: B batch, P prompt length (padded), G = max_new_tokens, M = P + G buffer positions, V vocab.
+Shapes: B batch, P prompt length (padded), G = max_new_tokens, M = P + G buffer positions, S tokens fed in one
+call, W = 4·max(O) engram history, L layers, K kv heads, h head dim, V vocab, N engram tables.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from torch import Tensor, nn
 from convert.errors import GenerationError
 from convert.v2.config import ENGRAM_TAPS, TransformerConfig
 from convert.v2.generation import check_generate_args, prompt_validity
-from needle_torch.fast import cpu_decode, cpu_hadamard, cpu_prefill, cpu_sinkhorn
-from needle_torch.fast.kernels import CompiledStep, enabled, fast_paths, prefill_rows
+from needle_torch.fast.kernels import CompiledStep, enabled, prefill_rows
+from needle_torch.fast.seam import fast_paths
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2.engram import shift_right
 
@@ -78,9 +79,8 @@ class DecodeCache:
     (key_valid and hist_valid), behind W = 4·max(O) leading zeros / False, so the engram's history window
     [pos - W, pos + S) is one slice at every position. sink (B, M) bool or None and window (kv_window, 0 = off)
     shape the attention mask only. rope: cos, sin (M, h/2), and offsets: every layer's lane_offsets, computed
-    once. logits_weight: the tied embedding upcast to float32 once per request (None: read in place, under
-    compile or for a float32 model). fused: the C++ decode-layer kernel's state (cpu_decode.fuse) when single
-    steps run through it (None: they do not)."""
+    once. logits_weight: the tied embedding upcast to float32 once per request (None: E itself is read, a float32
+    model's, or where a compiled step reads it in place)."""
 
     k: list[Tensor]
     v: list[Tensor]
@@ -91,14 +91,12 @@ class DecodeCache:
     rope: tuple[Tensor, Tensor]
     offsets: list[tuple[Tensor, Tensor]]
     logits_weight: Tensor | None = None
-    fused: cpu_decode.Fused | None = None
 
     def rows(self, start: int, stop: int) -> DecodeCache:
-        """The same state for batch rows start..stop-1: views, so writing through it fills this cache (without the
-        kernel state, whose tables point at the whole batch's buffers; only prefills take rows)."""
+        """The same state for batch rows start..stop-1: views, so writing through it fills this cache."""
         return replace(self, k=[t[start:stop] for t in self.k], v=[t[start:stop] for t in self.v],
                        hist=self.hist[start:stop], valid=self.valid[start:stop],
-                       sink=None if self.sink is None else self.sink[start:stop], fused=None)
+                       sink=None if self.sink is None else self.sink[start:stop])
 
 
 # ----------------------------------------------------------------------------- one step and its choice
@@ -277,28 +275,25 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, kv_window: i
     False runs the plain modules as written, eagerly or under a plain torch.compile (no inductor options): the
     baseline every fast form is measured against. The same function either way (float32 sums in another order).
     """
-    with fast_paths(fast):
+    with fast_paths(model, fast) as forms:
         return _generate(model, tokens, max_new_tokens, kv_window, temperature, seed, sink, eos_token_id,
-                         pad_token_id, return_logits, return_logprobs, streamer, compile, fast)
+                         pad_token_id, return_logits, return_logprobs, streamer, compile, forms)
 
 
 def _generate(model, tokens, max_new_tokens, kv_window, temperature, seed, sink, eos_token_id, pad_token_id,
-              return_logits, return_logprobs, streamer, compile, fast):
-    """generate's body, run inside fast_paths(fast)."""
+              return_logits, return_logprobs, streamer, compile, forms):
+    """generate's body, run inside fast_paths(model, fast); forms: needle_torch.fast.v2 with fast on, else None."""
     step_compiled, prefill_compiled = compile_choice(compile)
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, temperature,
                                                   seed, eos_token_id, pad_token_id)
     B, P = prompts.shape
     G, device = int(max_new_tokens), model.device
-    fused = step_compiled and cpu_decode.applies(model, B)  # the C++ layer kernel instead of torch.compile
+    # fused: the steps run through the fast layer's C++ kernels instead of a torch.compile graph
+    fused = forms is not None and forms.prepare(model, B, step_compiled, prefill_compiled)
     traced = step_compiled and not fused
-    cfg = model.config
-    if traced or prefill_compiled:  # the kernels those graphs call (the Sinkhorn; the Hadamard MLP)
-        cpu_sinkhorn.prepare(cfg.mhc_lanes, device)
-        cpu_hadamard.prepare(cfg.d_model, cfg.hada_dim, model.dtype, device)
-    if prefill_compiled:  # float32: the prefill's attention
-        cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
-    cache = model.new_cache(B, P + G, valid, sink, kv_window, compiled=traced, fused=fused)
+    cache = model.new_cache(B, P + G, valid, sink, kv_window)
+    if forms is not None:
+        cache = forms.ready(model, cache, traced, fused)
     prefill = prefill_in_chunks(model, prompts, cache, prefill_compiled)  # (B, V) float32: chooses token 0
     # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))

@@ -5,16 +5,13 @@ dtype: upstream's routing is a float32 island, and the lanes are cast back to th
 dtype only where upstream casts them (`read_lanes`, `write_lanes`). The fake-quant helpers live here
 too because the engram, the attention and the heads all apply them and none of those owns them.
 
-Shapes: B batch, T length, n lanes, D d_model.
+Shapes: B batch, T length, n lanes, D d_model, L layers.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-from needle_torch.fast import cpu_sinkhorn
-from needle_torch.fast.kernels import as_reduction, compiling_for_cpu, matmul_nt
 
 RMS_EPS = 1e-6
 SINKHORN_ITERS = 20  # upstream runs exactly 20; no tolerance stop
@@ -26,48 +23,16 @@ def rms_unit(x: Tensor) -> Tensor:
 
     A multiply by rsqrt, unlike ZCRMSNorm's division by sqrt (§10.11): keep each form where it belongs."""
     x = x.float()
-    return x * rms_factor(x)
-
-
-def rms_factor(x: Tensor) -> Tensor:
-    """rms_unit's factor of float32 x: rsqrt(mean(x^2) + 1e-6) over the last axis, kept (..., 1)."""
-    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)
-
-
-def _logsumexp(z: Tensor, dim: int) -> Tensor:
-    """torch.logsumexp (keepdim). Under torch.compile written out over the n entries of the (short) axis, max +
-    log Σ exp(z - max), so that inductor keeps a layer's 40 Sinkhorn steps in fewer buffers."""
-    if not torch.compiler.is_compiling():
-        return torch.logsumexp(z, dim=dim, keepdim=True)
-    parts = z.unbind(dim)
-    m = parts[0]
-    for p in parts[1:]:
-        m = torch.maximum(m, p)
-    total = None
-    for p in parts:
-        e = (p - m).exp()
-        total = e if total is None else total + e
-    return (m + total.log()).unsqueeze(dim)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)
 
 
 def sinkhorn(logits: Tensor, iters: int = SINKHORN_ITERS) -> Tensor:
-    """Log-space Sinkhorn over the last two axes: rows then columns, `iters` times, exp at the end (float32).
-
-    Compiled for CPU the (n, n) axes move to the front, so every step runs over the tokens as its innermost,
-    contiguous axis (the same steps in the same order); more rows than kernels.REDUCE_MAX_ROWS take the C++ kernel of
-    cpu_sinkhorn (the same steps in registers)."""
+    """Log-space Sinkhorn over the last two axes: rows then columns, `iters` times, exp at the end (float32)."""
     z = logits.float()
-    if cpu_sinkhorn.applies(z):  # compiled CPU graphs of many rows: the C++ kernel
-        return cpu_sinkhorn.sinkhorn(z, iters)
-    moved = compiling_for_cpu(z.device)
-    if moved:
-        z = z.movedim((-2, -1), (0, 1))  # (n, n, ...): tokens innermost
-    rows, cols = (1, 0) if moved else (-1, -2)
     for _ in range(iters):
-        z = z - _logsumexp(z, rows)
-        z = z - _logsumexp(z, cols)
-    z = z.exp()
-    return z.movedim((0, 1), (-2, -1)) if moved else z
+        z = z - torch.logsumexp(z, dim=-1, keepdim=True)  # rows sum to 1
+        z = z - torch.logsumexp(z, dim=-2, keepdim=True)  # columns sum to 1
+    return z.exp()
 
 
 def lane_offsets(layer: int, lanes: int, device=None) -> tuple[Tensor, Tensor]:
@@ -85,13 +50,7 @@ def flat_lanes(lanes: Tensor) -> Tensor:
 def project(xhat: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """x̂ φ for each φ of `phis` ((out, n·D) Linear weights, used as float32 copies like upstream's), float32 (B, T,
     out) each: one product per φ, as upstream writes them."""
-    reduce = as_reduction(xhat.shape[:-1].numel(), xhat.device)  # a compiled step of few rows: fused reductions
-    return tuple(matmul_nt(xhat, phi, torch.float32, reduce) for phi in phis)
-
-
-def route(lanes: Tensor, phis: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """x̂ φ for each φ of `phis`, x̂ = flat_lanes(lanes): project(flat_lanes(lanes), phis)."""
-    return project(flat_lanes(lanes), phis)
+    return tuple(xhat.float() @ phi.float().T for phi in phis)  # (B, T, n·D) @ (n·D, out)
 
 
 def pre_weights(r: Tensor, a: Tensor, b: Tensor, pre_off: Tensor) -> Tensor:
@@ -118,15 +77,8 @@ def read_lanes(hpre: Tensor, lanes: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def write_lanes(hres: Tensor, lanes: Tensor, hpost: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
-    """X'_i = cast_dtype(Σ_j M_ij · f32(X_j) + hpost_i · f32(y)): the new lanes (B, T, n, D).
-
-    Eagerly a batched (n, n) x (n, D) product per token; compiled for CPU the n terms are written out, so that the
-    mix fuses with its neighbours into one pass over the lanes."""
-    xf = lanes.float()
-    if compiling_for_cpu(lanes.device):
-        mixed = sum(hres[..., :, j, None] * xf[:, :, None, j, :] for j in range(xf.shape[2]))  # (B, T, n, D)
-    else:
-        mixed = hres @ xf
+    """X'_i = cast_dtype(Σ_j M_ij · f32(X_j) + hpost_i · f32(y)): the new lanes (B, T, n, D)."""
+    mixed = hres @ lanes.float()  # (B, T, n, n) @ (B, T, n, D): one (n, n) x (n, D) product per token
     return (mixed + hpost[..., None] * y.float()[:, :, None, :]).to(dtype)  # (B, T, n, D)
 
 
@@ -158,5 +110,5 @@ def aq(x: Tensor, quant: bool | Tensor) -> Tensor:
 
 __all__ = [
     "ACT_BITS", "SINKHORN_ITERS", "aq", "fake_quant_act", "flat_lanes", "lane_offsets", "read_lanes", "write_lanes",
-    "post_weights", "pre_weights", "project", "res_weights", "rms_factor", "rms_unit", "route", "sinkhorn",
+    "post_weights", "pre_weights", "project", "res_weights", "rms_unit", "sinkhorn",
 ]

@@ -27,17 +27,6 @@ from torch import Tensor, nn
 from convert.errors import ConfigError
 from convert.v2.config import TransformerConfig
 from convert.v2.mapping import CONFIDENCE_PROBES, CONTRASTIVE_PROBES, GROUPS
-from needle_torch.fast import cpu_attention, cpu_decode, cpu_hadamard, cpu_prefill
-from needle_torch.fast.kernels import (
-    Linear,
-    as_reduction,
-    compiling_for_cpu,
-    matmul_nt,
-    reduces_when_compiled,
-    repeated_region,
-    upcasts,
-    walsh_entry,
-)
 from needle_torch.layers import Tap, ZCRMSNorm, apply_rope, make_attention_mask, make_causal_mask, precompute_rope_freqs
 from needle_torch.pretrained import Pretrained
 from needle_torch.v2.engram import Engram, engram_indices, engram_masks
@@ -45,13 +34,14 @@ from needle_torch.v2.generate import DecodeCache, engram_history_masks, make_dec
 from needle_torch.v2.generate import generate as generate_cached
 from needle_torch.v2.lanes import (
     aq,
+    flat_lanes,
     lane_offsets,
     post_weights,
     pre_weights,
+    project,
     read_lanes,
     res_weights,
     rms_unit,
-    route,
     write_lanes,
 )
 
@@ -109,9 +99,6 @@ def silu(x: Tensor) -> Tensor:
     return x * sigmoid(x)
 
 
-QUERY_BLOCK = 32  # query rows per block of the C++ prefill attention (cpu_prefill), each over the keys up to its last
-
-
 def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: bool = True,
                           causal: bool = False) -> Tensor:
     """Upstream's attention of q (B, H, T, h) over k, v (B, K, S, h); mask bool (B|1, 1, T, S), True = attend.
@@ -121,35 +108,24 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     with an additive finfo.min mask (equal to where(mask, s, min) exactly). Other dtypes: each path as upstream
     computes it (they differ in bf16) -> flash: f32 logits of the dtype's q, k, f32 softmax, probabilities cast to
     v's dtype, p·v in that dtype; non-flash: q·kᵀ rounded to the dtype, then f32, f32 softmax, p·v in float32.
-    causal: the mask hides every key after its query and the T queries are the last T of the S keys (a cached
-    prefill). Compiled CPU graphs take needle_torch.fast's forms of the same function where they apply: fused
-    multiply-and-sums for few queries, the C++ kernels of cpu_attention (steps of many rows) and cpu_prefill (causal
-    prefills, in blocks of QUERY_BLOCK queries), SDPA's fused bf16 kernel where the CPU has bf16 units."""
+    causal: the mask is known to hide every key after its query, the T queries being the last T of the S keys (a
+    cached prefill); the value is the mask's either way, so this form reads the mask alone."""
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
-    reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
-    if reduce and cpu_attention.applies(q, k, flash):  # many rows: the C++ kernel, the same arithmetic
-        return cpu_attention.attend(q, k, v, mask.expand(B, 1, 1, S).reshape(B, S), FLASH_NEG)  # (B, H, 1, h)
-    low = F32_MIN if q.dtype == torch.float32 else FLASH_NEG  # FLASH_NEG: finite in bf16 (F32_MIN rounds to -inf)
-    if not reduce and cpu_prefill.applies(q, k, causal, flash):  # a compiled prefill: the C++ kernel, the same blocks
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, low)
-        return cpu_prefill.attend(q, k, v, bias, QUERY_BLOCK)
-    # SDPA's bf16 products need bf16 units (kernels.bf16_path)
-    fused_bf16 = q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device)
-    if (q.dtype == torch.float32 or fused_bf16) and not reduce:
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, low)
+    if q.dtype == torch.float32:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, F32_MIN)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1 / math.sqrt(h),
                                               enable_gqa=H != K)  # (B, H, T, h)
     g = H // K
     qg = q.reshape(B, K, g * T, h)  # (B, K, g·T, h): query heads k·g .. k·g + g-1 read kv head k
     m = mask[:, :, None]  # (B|1, 1, 1, T, S)
     if flash:
-        s = matmul_nt(qg, k, torch.float32, reduce).view(B, K, g, T, S) * (1 / math.sqrt(h))  # (B, K, g, T, S)
+        s = (qg.float() @ k.float().transpose(-1, -2)).view(B, K, g, T, S) * (1 / math.sqrt(h))  # (B, K, g, T, S)
         p = s.masked_fill(~m, FLASH_NEG).softmax(dim=-1).to(v.dtype).view(B, K, g * T, S)  # (B, K, g·T, S)
-        return matmul_nt(p, v.transpose(-1, -2), v.dtype, reduce).view(B, H, T, h)  # (B, H, T, h) in v's dtype
-    s = matmul_nt(qg, k, q.dtype, reduce).float().view(B, K, g, T, S) / math.sqrt(h)  # (B, K, g, T, S)
+        return (p @ v).view(B, H, T, h)  # (B, H, T, h) in v's dtype
+    s = (qg @ k.transpose(-1, -2)).float().view(B, K, g, T, S) / math.sqrt(h)  # (B, K, g, T, S)
     p = s.masked_fill(~m, F32_MIN).softmax(dim=-1).view(B, K, g * T, S)  # (B, K, g·T, S) float32
-    return matmul_nt(p, v.float().transpose(-1, -2), torch.float32, reduce).view(B, H, T, h)  # (B, H, T, h) f32
+    return (p @ v.float()).view(B, H, T, h)  # (B, H, T, h) float32
 
 
 # ----------------------------------------------------------------------------- attention and MLP
@@ -162,13 +138,13 @@ class Attention(nn.Module):
         super().__init__()
         D, A, h, K = config.d_model, config.attn_dim, config.head_dim, config.num_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim, self.flash = config.num_heads, K, h, config.flash
-        self.q_proj = Linear(D, A, bias=False)
-        self.k_proj = Linear(D, K * h, bias=False)
-        self.v_proj = Linear(D, K * h, bias=False)
+        self.q_proj = nn.Linear(D, A, bias=False)
+        self.k_proj = nn.Linear(D, K * h, bias=False)
+        self.v_proj = nn.Linear(D, K * h, bias=False)
         self.q_norm = ZCRMSNorm(h)
         self.k_norm = ZCRMSNorm(h)
-        self.gate_proj = Linear(D, A, bias=False)
-        self.out_proj = Linear(A, D, bias=False)
+        self.gate_proj = nn.Linear(D, A, bias=False)
+        self.out_proj = nn.Linear(A, D, bias=False)
 
     def forward(self, x: Tensor, mask: Tensor, rope: tuple[Tensor, Tensor], quant: bool | Tensor = False,
                 cache: tuple[Tensor, Tensor, int | Tensor] | None = None) -> Tensor:
@@ -209,64 +185,23 @@ _WALSH: dict[str, Tensor] = {}  # fixed and read-only: built once per (P, dtype,
 
 
 def _cached(key: str, build) -> Tensor:
-    """_WALSH[key], built by build() on first use. A dict rather than functools.lru_cache: torch.compile traces
-    through an lru_cache (rebuilding the matrix inside every compiled step) but reads a tensor it finds in a dict
-    as a graph input, and only a plain string key lets a compiled region that reads it be reused for every layer
-    (kernels.repeated_region). A compiled region cannot build one either (the new tensor would escape the
-    region), so new_cache builds what the compiled steps will read (prepare_walsh)."""
+    """_WALSH[key], built by build() on first use. A dict, not functools.lru_cache: torch.compile traces through an
+    lru_cache (rebuilding the matrix inside every compiled step) but reads a tensor it finds in a dict as a graph
+    input. A compiled region cannot build one (the new tensor would escape it), so new_cache builds it first."""
     if key not in _WALSH:
         with torch.inference_mode(False):  # built under inference_mode it could never be saved for a backward pass
             _WALSH[key] = build()
     return _WALSH[key]
 
 
-def _cached_walsh(size: int, dtype: torch.dtype, device, upcast: bool = False) -> Tensor:
-    """walsh_matrix, built once per (P, dtype, device) (upcast: that dtype's matrix widened to float32)."""
-    key = f"{size}/{dtype}/{torch.device(device)}{'/upcast' if upcast else ''}"
-    return _cached(key, lambda: walsh_matrix(size, dtype, device).float() if upcast
-                   else walsh_matrix(size, dtype, device))
-
-
-def walsh_factors(size: int, dtype: torch.dtype, device=None) -> tuple[Tensor, Tensor]:
-    """(A, B), float32, with cast_dtype(H_P) = A ⊗ B: A the unnormalised Sylvester matrix of size a = 2^⌊log2(P)/2⌋
-    (entries ±1), B that of size P / a times H_P's entry ±cast_dtype(1/√P) (Sylvester order is Kronecker order:
-    H_ab = H_a ⊗ H_b). Exact: every entry of A ⊗ B is ±1 times H_P's entry."""
-    a = 1 << ((size.bit_length() - 1) // 2)
-    dev = torch.device("cpu" if device is None else device)
-    A = _cached(f"{a}/factor/{dev}", lambda: torch.sign(walsh_matrix(a, torch.float32, device)))
-    entry = torch.tensor(walsh_entry(size, dtype), dtype=torch.float32)  # walsh_matrix's cast entry
-    B = _cached(f"{size}/cofactor/{dtype}/{dev}", lambda: torch.sign(walsh_matrix(size // a, torch.float32, device))
-                * entry.to(dev))
-    return A, B
-
-
-def prepare_walsh(size: int, dtype: torch.dtype, device) -> None:
-    """Build every Walsh matrix a compiled step at width `size` in `dtype` may read (see _cached)."""
-    _cached_walsh(size, dtype, device)
-    if upcasts(dtype, torch.device(device)):
-        _cached_walsh(size, dtype, device, upcast=True)
-    walsh_factors(size, dtype, device)
+def _cached_walsh(size: int, dtype: torch.dtype, device) -> Tensor:
+    """walsh_matrix, built once per (P, dtype, device)."""
+    return _cached(f"{size}/{dtype}/{torch.device(device)}", lambda: walsh_matrix(size, dtype, device))
 
 
 def walsh_transform(x: Tensor) -> Tensor:
-    """x · cast_dtype(H_P) over the last axis: upstream's dense product in x's dtype (float32 accumulation).
-
-    Eagerly dense on purpose (bf16 layers stay bit-identical to upstream's eager ones). Compiled for CPU, a step of
-    few rows keeps the dense form as one fused reduction; more rows take the Kronecker form H_P = A ⊗ B
-    (walsh_factors) in float32, rounded once: the same function up to the order of the float32 sums, with
-    a·(P/a)·(a + P/a) multiply-adds a row instead of P². On a CPU without bf16 units the eager bf16 product runs as
-    a float32 one on upcast operands (kernels.bf16_path)."""
-    P = x.shape[-1]
-    rows = x.shape[:-1].numel()
-    if as_reduction(rows, x.device):  # a compiled decode step: H read once, fused (H = Hᵀ)
-        return matmul_nt(x, _cached_walsh(P, x.dtype, x.device), x.dtype, reduce=True)
-    if compiling_for_cpu(x.device):
-        A, B = walsh_factors(P, x.dtype, x.device)
-        X = x.float().reshape(rows, A.shape[0], B.shape[0])  # (rows, a, P/a): x[i·(P/a) + j] = X[i, j]
-        return torch.matmul(A, X @ B).reshape(x.shape).to(x.dtype)  # A, B symmetric
-    if upcasts(x.dtype, x.device):
-        return (x.float() @ _cached_walsh(P, x.dtype, x.device, upcast=True)).to(x.dtype)
-    return x @ _cached_walsh(P, x.dtype, x.device)
+    """x · cast_dtype(H_P) over the last axis: upstream's dense product in x's dtype (float32 accumulation)."""
+    return x @ _cached_walsh(x.shape[-1], x.dtype, x.device)
 
 
 class HadamardMLP(nn.Module):
@@ -281,8 +216,6 @@ class HadamardMLP(nn.Module):
         self.d3 = nn.Parameter(torch.full((P,), 0.02))
 
     def forward(self, x: Tensor) -> Tensor:
-        if cpu_hadamard.applies(x, self.d1):  # compiled CPU graphs of many float32 or bf16 rows: the C++ kernel
-            return cpu_hadamard.mlp(x, self.d1, self.d2, self.d3)
         x = F.pad(x, (0, self.d1.shape[0] - self.d_model))  # (B, T, P), zeros past D
         z = walsh_transform(self.d1 * x)
         z = walsh_transform(silu(self.d2 * z))
@@ -343,9 +276,9 @@ class MHCLayer(nn.Module):
         n, nD = config.mhc_lanes, config.mhc_lanes * config.d_model
         self.layer = layer
         self.block = Block(config)
-        self.phi_pre = Linear(nD, n, bias=False)
-        self.phi_post = Linear(nD, n, bias=False)
-        self.phi_res = Linear(nD, n * n, bias=False)
+        self.phi_pre = nn.Linear(nD, n, bias=False)
+        self.phi_post = nn.Linear(nD, n, bias=False)
+        self.phi_res = nn.Linear(nD, n * n, bias=False)
         self.b_pre = nn.Parameter(torch.zeros(n))
         self.b_post = nn.Parameter(torch.zeros(n))
         self.b_res = nn.Parameter(4 * torch.eye(n))
@@ -365,8 +298,8 @@ class MHCLayer(nn.Module):
         baked into a compiled region and one serves every layer)."""
         dtype = lanes.dtype
         pre_off, post_off = lane_offsets(self.layer, lanes.shape[2], lanes.device) if offsets is None else offsets
-        # x̂ φ for the three φ, x̂ = flat_lanes(lanes) (B, T, n·D) float32
-        r_pre, r_post, r_res = route(lanes, (self.phi_pre.weight, self.phi_post.weight, self.phi_res.weight))
+        xhat = flat_lanes(lanes)  # (B, T, n·D) float32
+        r_pre, r_post, r_res = project(xhat, (self.phi_pre.weight, self.phi_post.weight, self.phi_res.weight))
         hpre = self.tap_hpre(pre_weights(r_pre, self.a_pre, self.b_pre, pre_off))
         hpost = self.tap_hpost(post_weights(r_post, self.a_post, self.b_post, post_off))
         hres = self.tap_hres(res_weights(r_res, self.a_res, self.b_res))
@@ -375,13 +308,13 @@ class MHCLayer(nn.Module):
         return self.tap_state(write_lanes(hres, lanes, hpost, y, dtype))  # (B, T, n, D)
 
 
-@repeated_region
+@torch.compiler.nested_compile_region  # under torch.compile: traced once, reused for every layer
 def decode_layer(layer: MHCLayer, lanes: Tensor, mask: Tensor, rope: tuple[Tensor, Tensor],
                  engram: tuple[Tensor, Tensor, tuple[int, ...]] | None, cache: tuple[Tensor, Tensor, int | Tensor],
                  offsets: tuple[Tensor, Tensor]) -> Tensor:
     """One lane layer of a cached-decoding step (no quant). Eagerly just the call; under torch.compile a region
-    traced once and reused for every layer (two variants: with and without an engram site), which cuts the
-    compile time of a whole step from minutes to seconds."""
+    traced once and reused for every layer (two variants: with and without an engram site), so that a step compiles
+    one layer, not L."""
     return layer(lanes, mask, rope, False, engram, cache, offsets)
 
 
@@ -444,7 +377,7 @@ class ContrastiveHead(nn.Module):
         super().__init__()
         D = config.d_model
         self.probes = nn.Parameter(torch.empty(CONTRASTIVE_PROBES, D))
-        self.proj = Linear(CONTRASTIVE_PROBES * D, config.contrastive_dim, bias=False)
+        self.proj = nn.Linear(CONTRASTIVE_PROBES * D, config.contrastive_dim, bias=False)
         self.log_temp = nn.Parameter(torch.full((), math.log(0.07)))
 
     def forward(self, cells: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
@@ -460,7 +393,7 @@ class ConfidenceHead(nn.Module):
         super().__init__()
         D = config.d_model
         self.probes = nn.Parameter(torch.empty(CONFIDENCE_PROBES, D))
-        self.proj = Linear(CONFIDENCE_PROBES * D, 1)
+        self.proj = nn.Linear(CONFIDENCE_PROBES * D, 1)
 
     def forward(self, cells: Tensor, keep: Tensor) -> Tensor:
         return self.proj(probe_pool(cells, self.probes, keep, self.proj.weight.dtype))[:, 0].float()  # (B,)
@@ -487,7 +420,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         self.stack = Stack(config)
         self.engrams = nn.ModuleList(Engram(config) for _ in range(config.num_sites))
         if "mtp" in self.groups:
-            self.mtp_combine = Linear(2 * D, D, bias=False)
+            self.mtp_combine = nn.Linear(2 * D, D, bias=False)
             self.mtp_emb_norm = ZCRMSNorm(D)
             self.mtp_final_norm = ZCRMSNorm(D)
             self.mtp_block = Block(config)
@@ -597,14 +530,11 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
     # ------------------------------------------------------------------ cached decoding (upstream's decode.py)
 
     def new_cache(self, batch: int, max_len: int, valid: Tensor | None = None, sink: Tensor | None = None,
-                  kv_window: int = 0, compiled: bool = False, fused: bool = False) -> DecodeCache:
+                  kv_window: int = 0) -> DecodeCache:
         """An empty DecodeCache for `batch` rows and max_len buffer positions.
 
         valid: (B, max_len) bool, upstream's `valid` (False on left pads; None: all True); sink: (B, max_len) bool
-        or None (positions that stay visible under kv_window); compiled: the steps run under torch.compile, where
-        products of few rows read the embedding in place (kernels.reduces_when_compiled), so no float32 copy;
-        fused: single steps run their lane layers through the C++ kernel (cpu_decode; check cpu_decode.applies
-        first)."""
+        or None (positions that stay visible under kv_window)."""
         cfg, W = self.config, self.config.engram_history
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
@@ -614,15 +544,10 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
             valid = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
         valid = F.pad(valid.to(self.device, torch.bool), (W, 0))  # (B, W + M): False before the start
         sink = None if sink is None else sink.to(self.device, torch.bool)
-        in_place = self.dtype == torch.float32 or (compiled and not fused and reduces_when_compiled(batch, self.device))
-        weight = None if in_place else self.embedding.weight.float()
+        weight = None if self.dtype == torch.float32 else self.embedding.weight.float()  # upcast once per request
         offsets = [lane_offsets(i, cfg.mhc_lanes, self.device) for i in range(cfg.num_layers)]
-        prepare_walsh(cfg.hada_dim, self.dtype, self.device)  # before any compiled region reads them
-        if compiled and not fused:  # the attention kernel, where these steps will call it
-            cpu_attention.prepare(self.dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, self.device,
-                                  batch * cfg.num_kv_heads)
-        state = cpu_decode.fuse(self, k, v, offsets, FLASH_NEG) if fused else None
-        return DecodeCache(k, v, hist, valid, sink, int(kv_window), self._rope(max_len), offsets, weight, state)
+        _cached_walsh(cfg.hada_dim, self.dtype, self.device)  # before any compiled region reads it
+        return DecodeCache(k, v, hist, valid, sink, int(kv_window), self._rope(max_len), offsets, weight)
 
     def decode_step(self, tokens: Tensor, cache: DecodeCache, pos: int | Tensor, last_only: bool = False) -> Tensor:
         """Feed tokens (B, S) at buffer positions pos..pos+S-1: float32 logits (B, S, V) (B, 1, V with last_only).
@@ -630,9 +555,18 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         Writes the tokens into the history and their K/V into the cache. pos 0 with the prompt is upstream's
         prefill; S = 1 a step. An int pos attends over the filled prefix; a 0-d int64 tensor keeps every shape
         fixed (the whole buffer, later positions masked), so one compiled graph serves every step. RoPE reads the
-        absolute buffer position (left padding shifts it, as upstream's). Runs in the model's dtype, no quant.
-        A cache with the kernel state (cache.fused) runs a single step at an int pos through the C++ kernel."""
-        B, S = tokens.shape
+        absolute buffer position (left padding shifts it, as upstream's). Runs in the model's dtype, no quant."""
+        S = tokens.shape[1]
+        hist, hist_valid, rope, mask = self._step_inputs(tokens, cache, pos)
+        ek, ev = self._decode_engram(hist, hist_valid, S)
+        x, _ = self.stack(self._embed(tokens), mask, rope, False, ek, ev, kv=(cache.k, cache.v, pos, cache.offsets))
+        return self._decode_logits(x[:, -1:] if last_only else x, cache.logits_weight)
+
+    def _step_inputs(self, tokens: Tensor, cache: DecodeCache, pos: int | Tensor
+                     ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor], Tensor]:
+        """Write tokens (B, S) into the history at pos; (history window (B, W + S), its validity, rope (S, h/2) each,
+        the attention mask (B, 1, S, M or pos + S))."""
+        S = tokens.shape[1]
         W = self.config.engram_history
         cos, sin = cache.rope
         if isinstance(pos, Tensor):
@@ -649,15 +583,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
             rope = cos[pos:pos + S], sin[pos:pos + S]  # (S, h/2) each
             key_valid = cache.valid[:, W:W + pos + S]  # (B, pos + S): the filled prefix
             sink = None if cache.sink is None else cache.sink[:, :pos + S]
-        mask = make_decode_mask(positions, key_valid, cache.window, sink)  # (B, 1, S, M or pos + S)
-        if cache.fused is not None and S == 1 and not isinstance(pos, Tensor):  # the C++ step (cpu_decode)
-            ek_unit, ev = cpu_decode.engram(cache.fused, hist, hist_valid) if len(self.engrams) else (None, None)
-            lanes = cpu_decode.run_layers(cache.fused, self._embed(tokens).to(self.dtype), self.config.mhc_lanes, mask,
-                                          *rope, pos, ek_unit, ev)
-            return cpu_decode.logits(cache.fused, lanes)
-        ek, ev = self._decode_engram(hist, hist_valid, S)
-        x, _ = self.stack(self._embed(tokens), mask, rope, False, ek, ev, kv=(cache.k, cache.v, pos, cache.offsets))
-        return self._decode_logits(x[:, -1:] if last_only else x, cache.logits_weight)
+        return hist, hist_valid, rope, make_decode_mask(positions, key_valid, cache.window, sink)
 
     def _decode_engram(self, hist: Tensor, hist_valid: Tensor, last: int) -> tuple[Tensor | None, Tensor | None]:
         """Every site's key and value (G, B, last, D) for the last `last` tokens of the history window (B, W + S),
@@ -670,11 +596,8 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # (G, B, last, D) each
 
     def _decode_logits(self, x: Tensor, weight: Tensor | None) -> Tensor:
-        """f32(x)·f32(E)ᵀ (B, S, V): compiled few-row products read E in its own dtype (upcast in registers);
-        otherwise against `weight`, E upcast once per request (None: E itself, a float32 model's)."""
-        if as_reduction(x.shape[:-1].numel(), x.device):
-            return matmul_nt(x, self.embedding.weight, torch.float32, reduce=True)
-        return matmul_nt(x, self.embedding.weight if weight is None else weight, torch.float32)
+        """f32(x)·f32(E)ᵀ (B, S, V) against `weight`, E upcast once per request (None: E itself, a float32 model's)."""
+        return x.float() @ (self.embedding.weight if weight is None else weight).float().T
 
     def generate(self, tokens: Tensor, max_new_tokens: int = 64, *, kv_window: int = 0, temperature: float = 0.0,
                  seed: int | None = None, sink: Tensor | None = None, eos_token_id: int | None = 1,

@@ -32,6 +32,7 @@ from convert.v3.ladder import ladder_layer_ranks
 from convert.v3.mapping import GROUPS, HEADS
 from needle_torch.layers import (
     TORCH_DTYPES,
+    Tap,
     ZCRMSNorm,
     apply_rope,
     make_causal_mask,
@@ -186,6 +187,8 @@ class MultiHeadAttention(nn.Module):
             self.q_taps = nn.Parameter(torch.empty(tau, H * hq))
             self.k_taps = nn.Parameter(torch.empty(tau, K * hq))
             self.v_taps = nn.Parameter(torch.empty(tau, K * hv))
+            self.tap_q_conv, self.tap_k_conv, self.tap_v_conv = Tap(), Tap(), Tap()
+        self.tap_q, self.tap_k, self.tap_v = Tap(), Tap(), Tap()
         self.q_norm = ZCRMSNorm(hq)
         self.k_norm = ZCRMSNorm(hq)
         self.gate_proj = _Dense(D, H * hv, dt)
@@ -198,12 +201,14 @@ class MultiHeadAttention(nn.Module):
         H, K, hq, hv, dt = self.num_heads, self.num_kv_heads, self.hq, self.hv, self.compute_dtype
         x = _aq(x, quant, self.config.act_bits)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H·hq), (B, T, K·hq), (B, T, K·hv)
+        q, k, v = self.tap_q(q), self.tap_k(k), self.tap_v(v)
         if self.config.qkv_conv_taps:
             tap_ok = [None] + [None if mask is None else mask_diag(mask, j)[..., None].to(q.dtype)
                                for j in range(1, self.config.qkv_conv_taps)]  # (B|1, T, 1) each
             q = conv_taps(q, self.q_taps.to(dt), tap_ok)
             k = conv_taps(k, self.k_taps.to(dt), tap_ok)
             v = conv_taps(v, self.v_taps.to(dt), tap_ok)
+            q, k, v = self.tap_q_conv(q), self.tap_k_conv(k), self.tap_v_conv(v)
         q = q.reshape(B, T, H, hq).transpose(1, 2)  # (B, H, T, hq)
         k = k.reshape(B, T, K, hq).transpose(1, 2)  # (B, K, T, hq)
         v = v.reshape(B, T, K, hv).transpose(1, 2)  # (B, K, T, hv)
@@ -300,6 +305,7 @@ class Block(nn.Module):
         self.attn_gate = nn.Parameter(torch.zeros(()))
         self.pre_hada_norm = ZCRMSNorm(D)
         self.hadamard_mlp = HadamardMLP(config)
+        self.tap_attn_out, self.tap_mlp_out, self.tap_engram_gate = Tap(), Tap(), Tap()
 
     def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
                 quant: bool = False, engram_kv: tuple[Tensor, Tensor] | None = None,
@@ -309,12 +315,13 @@ class Block(nn.Module):
         if engram_kv is not None:
             ek, ev = engram_kv
             # α[g] = σ(⟨rms_unit(x), rms_unit(ek[g])⟩/√D) for every site, in float32; the flags pick this layer's.
-            alpha = torch.sigmoid(torch.einsum("btd,sbtd->sbt", rms_unit(x), rms_unit(ek)) / math.sqrt(x.shape[-1]))
+            alpha = self.tap_engram_gate(torch.sigmoid(torch.einsum("btd,sbtd->sbt", rms_unit(x), rms_unit(ek))
+                                                       / math.sqrt(x.shape[-1])))  # (G, B, T)
             x = x + torch.einsum("s,sbt,sbtd->btd", site_flags, alpha, ev.float()).to(x.dtype)  # (B, T, D)
         skip = x
-        x = self.self_attn(self.pre_attn_norm(x), mask, rope, quant)
+        x = self.tap_attn_out(self.self_attn(self.pre_attn_norm(x), mask, rope, quant))
         x = skip + _sigmoid(self.attn_gate).to(self.compute_dtype) * self.post_attn_norm(x)
-        return x + self.hadamard_mlp(self.pre_hada_norm(x))
+        return x + self.tap_mlp_out(self.hadamard_mlp(self.pre_hada_norm(x)))
 
 
 def _lane_offsets(lane: int, n: int, device=None) -> tuple[Tensor, Tensor]:
@@ -342,6 +349,8 @@ class MHCLayer(nn.Module):
         self.a_pre = nn.Parameter(torch.empty(()))
         self.a_post = nn.Parameter(torch.empty(()))
         self.a_res = nn.Parameter(torch.empty(()))
+        self.tap_lanes_in, self.tap_hpre, self.tap_u, self.tap_hpost = Tap(), Tap(), Tap(), Tap()
+        self.tap_hres, self.tap_lanes_out = Tap(), Tap()
 
     def forward(self, lanes: Tensor, offsets: tuple[Tensor, Tensor], mask: Tensor | None = None,
                 rope: tuple[Tensor, Tensor] | None = None, quant: bool = False,
@@ -351,16 +360,20 @@ class MHCLayer(nn.Module):
         The routing runs in float32 on float32 copies of φ (a bf16 a_* or b_* promotes to float32)."""
         B, T, n, D = lanes.shape
         pre_off, post_off = offsets
+        lanes = self.tap_lanes_in(lanes)
         xf = lanes.float()
         nx = _aq(rms_unit(lanes.reshape(B, T, n * D)), quant, self.act_bits)  # (B, T, n·D) float32
-        hpre = torch.sigmoid(self.a_pre * F.linear(nx, self.phi_pre.weight.float()) + self.b_pre + pre_off)
-        u = torch.einsum("btn,btnc->btc", hpre, xf).to(self.compute_dtype)  # (B, T, D)
+        hpre = self.tap_hpre(torch.sigmoid(self.a_pre * F.linear(nx, self.phi_pre.weight.float()) + self.b_pre
+                                           + pre_off))  # (B, T, n)
+        u = self.tap_u(torch.einsum("btn,btnc->btc", hpre, xf).to(self.compute_dtype))  # (B, T, D)
         y = self.block(u, mask, rope, quant, engram_kv, site_flags) - u
-        hpost = 2 * torch.sigmoid(self.a_post * F.linear(nx, self.phi_post.weight.float()) + self.b_post + post_off)
+        hpost = self.tap_hpost(2 * torch.sigmoid(self.a_post * F.linear(nx, self.phi_post.weight.float())
+                                                 + self.b_post + post_off))
         res = F.linear(nx, self.phi_res.weight.float())  # (B, T, n·n)
-        hres = sinkhorn(self.a_res * res.reshape(B, T, n, n) + self.b_res)  # (B, T, n, n)
-        return (torch.einsum("btij,btjc->btic", hres, xf)
-                + hpost[..., None] * y.float()[:, :, None, :]).to(self.compute_dtype)  # (B, T, n, D)
+        hres = self.tap_hres(sinkhorn(self.a_res * res.reshape(B, T, n, n) + self.b_res))  # (B, T, n, n)
+        out = (torch.einsum("btij,btjc->btic", hres, xf)
+               + hpost[..., None] * y.float()[:, :, None, :]).to(self.compute_dtype)  # (B, T, n, D)
+        return self.tap_lanes_out(out)
 
 
 class Stack(nn.Module):
@@ -375,6 +388,7 @@ class Stack(nn.Module):
         self.compute_dtype = TORCH_DTYPES[config.dtype]
         self.layers = nn.ModuleList(MHCLayer(config) for _ in range(config.num_layers))
         self.final_norm = ZCRMSNorm(config.d_model)
+        self.tap_final_hidden = Tap()
 
     def forward(self, x: Tensor, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
                 engram_kv: tuple[Tensor, Tensor] | None = None, collect_hidden: bool = False, quant: bool = False,
@@ -414,7 +428,7 @@ class Stack(nn.Module):
             both = self.final_norm(torch.cat([full.mean(dim=2), sub.mean(dim=2)], dim=0))  # (2B, T, D)
             x, sub_x = both.split(B, dim=0)
             return x, hidden, sub_x
-        return self.final_norm(full.mean(dim=2)), hidden
+        return self.tap_final_hidden(self.final_norm(full.mean(dim=2))), hidden
 
 
 # ----------------------------------------------------------------------------- heads
@@ -472,10 +486,12 @@ class ProbeHead(nn.Module):
         self.query = nn.Parameter(torch.empty(Q, D))
         self.row_bias = nn.Parameter(torch.empty(Q, L1, k))
         self.proj = HeadProjection(Q * D, out_dim or self.out_dim, use_bias, self.compute_dtype)
+        self.tap_pooled = Tap()
 
     def pooled(self, cells: Tensor, keep: Tensor | None, row_keep: Tensor | None, quant: bool = False) -> Tensor:
-        return probe_pool(cells, keep, head_weight(self.probes, quant), self.gain, head_weight(self.query, quant),
-                          self.row_bias, row_keep, self.compute_dtype)
+        return self.tap_pooled(probe_pool(cells, keep, head_weight(self.probes, quant), self.gain,
+                                          head_weight(self.query, quant), self.row_bias, row_keep,
+                                          self.compute_dtype))  # (B, Q·D) in dt
 
     def forward(self, cells: Tensor, keep: Tensor | None = None, row_keep: Tensor | None = None,
                 quant: bool = False) -> Tensor:
@@ -538,6 +554,7 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         self.embed_scale = math.sqrt(config.d_model)
         self.stack = Stack(config)
         self.engrams = nn.ModuleList(Engram(config) for _ in config.engram_layers)
+        self.tap_embed, self.tap_engram_k, self.tap_engram_v = Tap(), Tap(), Tap()
         if "embedding_head" in self.groups:
             self.embedding_head = EmbeddingHead(config)
         if "confidence_head" in self.groups:
@@ -627,9 +644,11 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
         tokens count as tokens, as upstream's)."""
         if mask is None:
             mask = make_causal_mask(tokens.shape[1], tokens.device)
-        x = self._input_embeddings(tokens)
+        x = self.tap_embed(self._input_embeddings(tokens))
         rope = self._rope(tokens.shape[1], tokens.device)
         engram_kv = self._engram_kv(tokens, mask, quant)
+        if engram_kv is not None:
+            engram_kv = (self.tap_engram_k(engram_kv[0]), self.tap_engram_v(engram_kv[1]))
         out = self.stack(x, mask, rope, engram_kv, quant=quant, exit_depth=exit_depth, subnetwork_only=subnetwork_only)
         if subnetwork_only or exit_depth is None:
             return self._logits(out[0], quant)

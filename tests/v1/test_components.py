@@ -12,6 +12,7 @@ import needle_flax as nf
 import needle_torch as nt
 from convert.v1.config import TransformerConfig
 from needle_torch.fast import kernels
+from needle_torch.fast import v1 as fast_v1
 from needle_torch.fast.kernels import REDUCE_MAX_ROWS, as_reduction
 
 F32 = dict(rtol=1e-6, atol=1e-6)  # single float32 ops: a few ulps of roundoff
@@ -177,7 +178,7 @@ def test_flax_cached_self_attention_equals_uncached():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_products_as_reductions_equal_matmul(dtype):
     """matmul_nt's multiply-and-sum form (compiled decode steps) computes what the matmul computes."""
-    from needle_torch.v1.model import matmul_nt
+    from needle_torch.fast.kernels import matmul_nt
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(2, 3, 4, 64, generator=gen).to(dtype)  # (..., M, I)
@@ -228,7 +229,8 @@ def test_a_stored_input_is_eagers_rounded_value_in_a_compiled_product():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_few_row_projections_attention_and_logits_equal_eager(dtype):
-    """The reduction forms a compiled decode step uses equal the eager modules (aot_eager runs the traced graph)."""
+    """The fast reduction forms a compiled decode step uses equal the plain eager modules (aot_eager runs the traced
+    graph)."""
     cfg = TransformerConfig(vocab_size=50, d_model=32, num_heads=4, num_kv_heads=2, max_seq_len=16)
     torch.manual_seed(0)
     model = nt.SimpleAttentionNetwork(cfg).to(dtype).eval()
@@ -240,12 +242,16 @@ def test_compiled_few_row_projections_attention_and_logits_equal_eager(dtype):
     mask = torch.tensor([True] * 4 + [False] * 2)[None, None, None]
     qb, kb = q.to(dtype), k.to(dtype)  # ... and compute-dtype q/k (cross-attention)
 
+    def plain(x, q, k, v, qb, kb):
+        return (torch.nn.functional.linear(x, proj.weight, proj.bias), nt.dot_product_attention(q, k, v, mask),
+                nt.dot_product_attention(qb, kb, v, mask), model._logits(x))
+
     def pieces(x, q, k, v, qb, kb):
-        return (proj(x), nt.dot_product_attention(q, k, v, mask), nt.dot_product_attention(qb, kb, v, mask),
-                model._logits(x))
+        return (proj(x), fast_v1.dot_product_attention(q, k, v, mask), fast_v1.dot_product_attention(qb, kb, v, mask),
+                fast_v1.logits(model, x))
 
     with torch.inference_mode():
-        eager = pieces(x, q, k, v, qb, kb)
+        eager = plain(x, q, k, v, qb, kb)
         compiled = torch.compile(pieces, backend="aot_eager", fullgraph=True)(x, q, k, v, qb, kb)
     # Same roundings in both forms; the float32 sums differ in order only: ~1e-6 relative in float32, and at
     # most one rounding step (2^-8 relative) where a bfloat16 result is rounded.

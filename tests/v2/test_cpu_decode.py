@@ -23,6 +23,7 @@ from convert.mapping import random_flax_params
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import BOS_ID, FIRST_PLAIN_ID, NEEDLE_V2_PUBLISHED
 from needle_torch.fast import cpu_decode, kernels
+from needle_torch.fast import v2 as fast_v2
 from needle_torch.v2 import SimpleAttentionNetwork
 from needle_torch.v2.generate import generate, make_decode_mask
 from needle_torch.v2.lanes import rms_unit
@@ -136,7 +137,7 @@ def check_pieces(m: SimpleAttentionNetwork, rows: int, dp: int | None = None) ->
     P = 20
     prompts = prompts_for(cfg, rows, P, seed=rows)
     with torch.inference_mode():
-        cache = m.new_cache(rows, P + 4, fused=True)
+        cache = fast_v2.ready(m, m.new_cache(rows, P + 4), traced=False, fused=True)
         if dp is not None:
             cache.fused.dp = dp
         m.decode_step(prompts, cache, 0)  # eager prefill

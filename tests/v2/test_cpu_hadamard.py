@@ -10,6 +10,7 @@ import torch
 
 from convert.v2.config import NEEDLE_V2_PUBLISHED
 from needle_torch.fast import cpu_hadamard, kernels
+from needle_torch.fast import v2 as fast_v2
 from needle_torch.v2.model import HadamardMLP
 from tests.kernel_builds import assert_warns_once, recording_builds, without_compiler
 
@@ -59,8 +60,8 @@ def test_the_kernel_is_the_twins_hadamard_mlp(d_model, dtype, rows):
 
 
 def test_compiled_graphs_of_many_float32_rows_call_the_kernel():
-    """Under torch.compile, HadamardMLP of more than REDUCE_MAX_ROWS float32 rows calls the op (the same values as
-    eager); fewer rows, eager code and a graph that records gradients keep the torch form; bf16 rows call their own
+    """Under torch.compile, the fast HadamardMLP of more than REDUCE_MAX_ROWS float32 rows calls the op (eager's
+    values); fewer rows, eager code and a graph that records gradients keep the torch form; bf16 rows call their own
     build, and rows whose dtype is not the weights' keep the torch form."""
     m = mlp(48)
     cpu_hadamard.prepare(48, 64, torch.float32, CPU)
@@ -74,9 +75,10 @@ def test_compiled_graphs_of_many_float32_rows_call_the_kernel():
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cpu_hadamard, "_built", kernels_)
             torch._dynamo.reset()
-            out = torch.compile(m, fullgraph=True, dynamic=False)(x)
+            out = torch.compile(lambda x: fast_v2.hadamard_mlp(m, x), fullgraph=True, dynamic=False)(x)
             assert calls == [10]  # one call over the 2 x 5 rows
-            few = torch.compile(m, fullgraph=True, dynamic=False)(x[:1, :kernels.REDUCE_MAX_ROWS])
+            few = torch.compile(lambda x: fast_v2.hadamard_mlp(m, x), fullgraph=True,
+                                dynamic=False)(x[:1, :kernels.REDUCE_MAX_ROWS])
             assert calls == [10]
     assert (out - ref).abs().max() / ref.abs().max() <= F32_REL
     assert (few - ref[:1, :kernels.REDUCE_MAX_ROWS]).abs().max() / ref.abs().max() <= F32_REL
@@ -107,7 +109,7 @@ def test_compiled_graphs_of_many_bf16_rows_call_the_bf16_build():
         ref = m(x)
         mp.setattr(cpu_hadamard, "_built", {key: lambda *a: (calls.append(a[5]), real(*a))})
         torch._dynamo.reset()
-        out = torch.compile(m, fullgraph=True, dynamic=False)(x)
+        out = torch.compile(lambda x: fast_v2.hadamard_mlp(m, x), fullgraph=True, dynamic=False)(x)
     assert calls == [10] and out.dtype == torch.bfloat16
     assert rel(out, ref) <= BF16_REL and (out != ref).double().mean().item() <= BF16_SHARE
 

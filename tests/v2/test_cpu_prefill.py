@@ -16,6 +16,8 @@ import torch
 from convert.io import read_checkpoint
 from convert.trees import flatten_tree, unflatten_tree
 from needle_torch.fast import cpu_prefill, kernels
+from needle_torch.fast import v2 as fast_v2
+from needle_torch.fast.seam import fast_paths
 from needle_torch.v2 import model as v2_model
 from needle_torch.v2.generate import make_decode_mask
 from needle_torch.v2.model import SimpleAttentionNetwork, dot_product_attention
@@ -103,7 +105,7 @@ def test_the_kernel_is_the_twins_attention(case):
     cpu_prefill.prepare(H // K, h, torch.float32, CPU)
     bias = torch.zeros(mask.shape).masked_fill_(~mask, v2_model.F32_MIN)
     with torch.no_grad():
-        out = cpu_prefill.attend(q, k, v, bias, v2_model.QUERY_BLOCK)
+        out = cpu_prefill.attend(q, k, v, bias, fast_v2.QUERY_BLOCK)
         ref = dot_product_attention(q, k, v, mask, True, causal=True)
     assert out.shape == ref.shape == q.shape and out.dtype == torch.float32
     assert bool(out.isfinite().all()) and bool(ref.isfinite().all())
@@ -132,7 +134,7 @@ def test_the_bf16_kernel_is_the_twins_bf16_flash_attention(case, dots, upcast, m
     cpu_prefill.prepare(H // K, h, torch.bfloat16, CPU)
     bias = torch.zeros(mask.shape).masked_fill_(~mask, v2_model.FLASH_NEG)
     with torch.no_grad():
-        out = cpu_prefill.attend(q, k, v, bias, v2_model.QUERY_BLOCK)
+        out = cpu_prefill.attend(q, k, v, bias, fast_v2.QUERY_BLOCK)
         ref = dot_product_attention(q, k, v, mask, True, causal=True)
     assert out.shape == ref.shape == q.shape and out.dtype == ref.dtype == torch.bfloat16
     seen = mask[:, 0].any(-1)  # (B, T)
@@ -162,7 +164,7 @@ def compiled_fixture_prefill(monkeypatch, np_dtype, dtype: torch.dtype):
     real = cpu_prefill._built[key]
     monkeypatch.setattr(cpu_prefill, "_built", {key: lambda *a: (calls.append(a[7]), real(*a))})
     prompts = torch.from_numpy(g["dec_prompt"]).long()
-    with torch.no_grad():
+    with torch.no_grad(), fast_paths(model):
         cache = model.new_cache(prompts.shape[0], prompts.shape[1] + 1)
         torch._dynamo.reset()
         logits = torch.compile(lambda p, c: model.decode_step(p, c, 0), fullgraph=True)(prompts, cache)

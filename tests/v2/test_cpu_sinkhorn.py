@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from needle_torch.fast import cpu_sinkhorn, kernels
+from needle_torch.fast import v2 as fast_v2
 from needle_torch.v2.lanes import SINKHORN_ITERS, sinkhorn
 from tests.kernel_builds import assert_warns_once, without_compiler
 
@@ -28,7 +29,8 @@ def test_the_kernel_is_the_twins_sinkhorn(lanes, rows):
 
 
 def test_compiled_graphs_of_many_rows_call_the_kernel():
-    """Under torch.compile, more than REDUCE_MAX_ROWS rows of float32 logits go through the op (eager's values);
+    """Under torch.compile the fast Sinkhorn of more than REDUCE_MAX_ROWS rows of float32 logits goes through the op
+    (eager's values);
     fewer, eager code and a graph that records gradients keep the torch form."""
     cpu_sinkhorn.prepare(4, CPU)
     calls = []
@@ -36,12 +38,12 @@ def test_compiled_graphs_of_many_rows_call_the_kernel():
     z = torch.randn(2, 5, 4, 4, generator=torch.Generator().manual_seed(3)) * 4
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_sinkhorn, "_built", {4: lambda *a: (calls.append(a[2]), real(*a))})
-        ref = sinkhorn(z)
+        ref = fast_v2.sinkhorn(z)
         assert calls == []  # eager: the torch form
         torch._dynamo.reset()
-        out = torch.compile(sinkhorn, fullgraph=True, dynamic=False)(z)
+        out = torch.compile(fast_v2.sinkhorn, fullgraph=True, dynamic=False)(z)
         assert calls == [10]  # one call over the 2 x 5 rows
-        few = torch.compile(sinkhorn, fullgraph=True, dynamic=False)(z[:1, :kernels.REDUCE_MAX_ROWS])
+        few = torch.compile(fast_v2.sinkhorn, fullgraph=True, dynamic=False)(z[:1, :kernels.REDUCE_MAX_ROWS])
         assert calls == [10]
         mp.setattr(kernels, "compiling_for_cpu", lambda device: True)
         assert cpu_sinkhorn.applies(z) and not cpu_sinkhorn.applies(z.double())

@@ -29,9 +29,10 @@ from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import FIRST_PLAIN_ID, TransformerConfig
 from convert.v2.generation import prompt_validity
 from needle_torch.fast import cpu_attention, cpu_decode, cpu_sinkhorn, kernels
+from needle_torch.fast import v2 as fast_v2
+from needle_torch.fast.seam import fast_paths
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2 import SimpleAttentionNetwork, engram_masks
-from needle_torch.v2 import model as v2_model
 from needle_torch.v2.generate import engram_history_masks, generate, generate_recompute, make_decode_mask, pick
 from tests.torch_threads import torch_threads
 from tests.v2.goldens import F32_REL, G, assert_generated, chosen_from, left_padded, run_loop_reference
@@ -263,7 +264,7 @@ def test_prompts_longer_than_a_query_block_decode_as_the_recompute_loop():
     config = TransformerConfig(max_seq_len=96, dtype="float32", **RANDOM_CONFIGS["gqa-3lanes-1site-orders234"])
     model = SimpleAttentionNetwork.from_flax(random_flax_params(config, seed=7, std=0.2, groups=()), config)
     prompts = left_padded(config.vocab_size, [80, 47], seed=5)
-    assert prompts.shape[1] > 2 * v2_model.QUERY_BLOCK
+    assert prompts.shape[1] > 2 * fast_v2.QUERY_BLOCK
     kw = dict(return_logits=True, eos_token_id=None, temperature=5.0, seed=0)
     tokens_c, logits_c = generate(model, prompts, 6, **kw)
     tokens_r, logits_r = generate_recompute(model, prompts, 6, **kw)
@@ -929,7 +930,7 @@ def test_a_compiled_prefill_through_onednn_reproduces_upstreams_prefill(f32, fx,
     def prefill(tokens, cache):
         return f32.decode_step(tokens, cache, 0)
 
-    with torch.no_grad():
+    with torch.no_grad(), fast_paths(f32):
         cache = f32.new_cache(*prompts.shape[:1], prompts.shape[1] + 1)
         logits = torch.compile(prefill, backend=backend, fullgraph=True)(prompts, cache)
     assert any("needle_twin.onednn_linear" in target for target in seen)
@@ -951,7 +952,7 @@ def test_fast_false_runs_the_plain_forms_for_one_request_and_gives_the_same_toke
     default, logits = generate(f32, g["batch_prompts"], G, return_logits=True)
     assert seen == [False, True] and kernels.enabled()
     assert torch.equal(plain, default) and rel(plain_logits, logits) <= F32_REL
-    with pytest.raises(ValueError), kernels.fast_paths(False):
+    with pytest.raises(ValueError), fast_paths(f32, False):
         raise ValueError("an error inside the block")
     assert kernels.enabled()
 

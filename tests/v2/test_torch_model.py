@@ -27,6 +27,7 @@ from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import TransformerConfig
 from convert.v2.lora import merge_lora
 from needle_torch.fast import kernels
+from needle_torch.fast import v2 as fast_v2
 from needle_torch.layers import ZCRMSNorm, make_causal_mask
 from needle_torch.v2 import (
     Engram,
@@ -41,11 +42,10 @@ from needle_torch.v2 import (
     rms_unit,
     sinkhorn,
     walsh_matrix,
-    walsh_transform,
 )
 from needle_torch.v2 import model as v2_model
 from needle_torch.v2.generate import engram_history_masks
-from needle_torch.v2.lanes import project, route, write_lanes
+from needle_torch.v2.lanes import flat_lanes, project, write_lanes
 
 jax.config.update("jax_default_matmul_precision", "highest")
 torch.set_float32_matmul_precision("highest")  # float32 parity: no TF32 / reduced-precision passes
@@ -478,26 +478,26 @@ def test_walsh_matrix(P):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_walsh_factors_multiply_to_the_cast_matrix(P, dtype):
     """A ⊗ B is cast_dtype(H_P) exactly (A = ±1 of size 2^⌊log2(P)/2⌋, B = ±H_P's entry)."""
-    A, B = v2_model.walsh_factors(P, dtype)
+    A, B = fast_v2.walsh_factors(P, dtype)
     assert A.shape[0] * B.shape[0] == P and A.abs().eq(1).all()
     assert torch.equal(torch.kron(A, B), walsh_matrix(P, dtype).float())
 
 
 @pytest.mark.slow
 def test_compiled_walsh_and_lane_mix_are_the_eager_functions(monkeypatch):
-    """Under torch.compile a Walsh product of many rows takes the Kronecker form (walsh_factors) and the lane mix
+    """Under torch.compile the fast Walsh product of many rows takes the Kronecker form (walsh_factors), the lane mix
     its written-out sum: the same functions up to the order of float32 sums. Float32: within 1e-6 of a float64
     reference (sums of 64 terms; measured ~2e-7). bf16: the exact product rounded once, so at most one bf16 ulp
     (2^-7 relative to the element) from the float64 value rounded to bf16, like the library's bf16 GEMM."""
     for dtype in (torch.float32, torch.bfloat16):
-        v2_model.prepare_walsh(64, dtype, "cpu")
+        fast_v2.prepare_walsh(64, dtype, "cpu")
     factored = []
-    real = v2_model.walsh_factors
-    monkeypatch.setattr(v2_model, "walsh_factors", lambda *a: factored.append(a) or real(*a))
+    real = fast_v2.walsh_factors
+    monkeypatch.setattr(fast_v2, "walsh_factors", lambda *a: factored.append(a) or real(*a))
     x = torch.randn(8, 5, 64, generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        got = torch.compile(walsh_transform, fullgraph=True, dynamic=False)(xd)
+        got = torch.compile(fast_v2.walsh_transform, fullgraph=True, dynamic=False)(xd)
         exact = (xd.double() @ walsh_matrix(64, dtype).double()).numpy()
         if dtype == torch.float32:
             assert rel(got, exact) <= 1e-6
@@ -510,7 +510,7 @@ def test_compiled_walsh_and_lane_mix_are_the_eager_functions(monkeypatch):
     lanes, y = torch.randn(2, 3, 4, 32, generator=g), torch.randn(2, 3, 32, generator=g)
     hr, hp, ln, yy = (a.double().numpy() for a in (hres, hpost, lanes, y))
     exact = np.einsum("btij,btjc->btic", hr, ln) + hp[..., None] * yy[:, :, None]
-    got = torch.compile(write_lanes, fullgraph=True, dynamic=False)(hres, lanes, hpost, y, torch.float32)
+    got = torch.compile(fast_v2.write_lanes, fullgraph=True, dynamic=False)(hres, lanes, hpost, y, torch.float32)
     assert rel(got, exact) <= 1e-6 and rel(write_lanes(hres, lanes, hpost, y, torch.float32), exact) <= 1e-6
 
 
@@ -530,7 +530,7 @@ def test_compiled_bf16_attention_takes_sdpa_only_where_bf16_units_run_it(monkeyp
     mask = make_causal_mask(16) & (torch.arange(16) >= torch.tensor([[0], [3]]))[:, None, None, :] | torch.eye(
         16, dtype=torch.bool)
     torch._dynamo.reset()
-    got = torch.compile(dot_product_attention, fullgraph=True, dynamic=False)(q, k, v, mask, True)
+    got = torch.compile(fast_v2.dot_product_attention, fullgraph=True, dynamic=False)(q, k, v, mask, True)
     assert len(calls) == (1 if native else 0)
     assert rel(got, dot_product_attention(q, k, v, mask, True).float().numpy()) <= 2.0 ** -7
 
@@ -545,7 +545,7 @@ def test_compiled_sinkhorn_runs_over_the_tokens_and_is_the_eager_function():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 7, 4, 4)) + 4 * np.eye(4)
     torch._dynamo.reset()
-    M = torch.compile(sinkhorn, fullgraph=True, dynamic=False)(torch.from_numpy(logits).float())
+    M = torch.compile(fast_v2.sinkhorn, fullgraph=True, dynamic=False)(torch.from_numpy(logits).float())
     assert M.shape == (5, 7, 4, 4)
     M = M.double().numpy()
     assert np.abs(M - np_sinkhorn(logits, 20)).max() <= 1e-6
@@ -555,13 +555,13 @@ def test_compiled_sinkhorn_runs_over_the_tokens_and_is_the_eager_function():
 @pytest.mark.slow
 def test_the_routing_projections_are_each_phi_product_eager_and_stacked_when_compiled():
     """lanes.project: x̂ φ for each of the three φ, in the order given, float32 whatever the weights' dtype; eagerly
-    one product per φ, compiled for CPU one product of the stacked weights (a library product at 6 rows, a
-    multiply-and-sum at 3). Each within 1e-6 of its own float64 product (float32 sums of 256 terms; bf16 weights
-    upcast exactly): a misplaced split of the stacked columns would hand hpre φ_post's or φ_res's columns."""
+    one product per φ, its fast form compiled for CPU a library product at 6 rows, a multiply-and-sum at 3. Each
+    within 1e-6 of its own float64 product (float32 sums of 256 terms; bf16 weights upcast exactly): a product
+    against the wrong φ would be off by the whole value."""
     rng = np.random.default_rng(5)
     phis = [rng.standard_normal((o, 256)) * 0.02 for o in (4, 4, 16)]
     torch._dynamo.reset()
-    compiled = torch.compile(project, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fast_v2.project, fullgraph=True, dynamic=False)
     for rows, dtype, run in itertools.product((3, 6), (torch.float32, torch.bfloat16), (project, compiled)):
         xhat = rng.standard_normal((1, rows, 256))
         weights = tuple(torch.from_numpy(p).to(dtype) for p in phis)
@@ -574,16 +574,19 @@ def test_the_routing_projections_are_each_phi_product_eager_and_stacked_when_com
 
 @pytest.mark.slow
 def test_the_routing_logits_of_the_lanes_are_their_rms_unit_times_each_phi():
-    """lanes.route: x̂ φ for each φ with x̂ = rms_unit of the flattened lanes; eagerly project(flat_lanes(..)),
-    compiled for CPU at 6 float32 rows the product of the lanes themselves times rms_unit's factor per row (bf16
-    lanes: project's product of x̂), at 3 the fused multiply-and-sum of x̂. Each within 1e-6 of float64 (float32
-    sums of 256 terms, the factor rounded once more; measured <= 3e-7): the factor left out would be off by the
-    lanes' RMS (about 3 here), a mean over the wrong axis by far more than 1e-6."""
+    """project(flat_lanes(lanes)): x̂ φ for each φ with x̂ = rms_unit of the flattened lanes, eagerly and as the fast
+    form compiled for CPU (a library product at 6 rows, the fused multiply-and-sum at 3). Each within 1e-6 of
+    float64 (float32 sums of 256 terms; measured <= 3e-7): the factor left out would be off by the lanes' RMS
+    (about 3 here), a mean over the wrong axis by far more than 1e-6."""
     rng = np.random.default_rng(6)
     phis = [rng.standard_normal((o, 256)) * 0.02 for o in (4, 4, 16)]
     weights = tuple(torch.from_numpy(p).float() for p in phis)
     torch._dynamo.reset()
-    compiled = torch.compile(route, fullgraph=True, dynamic=False)
+    def route(lanes, phis):
+        return project(flat_lanes(lanes), phis)
+
+    compiled = torch.compile(lambda lanes, phis: fast_v2.project(flat_lanes(lanes), phis), fullgraph=True,
+                             dynamic=False)
     for rows, dtype, run in itertools.product((3, 6), (torch.float32, torch.bfloat16), (route, compiled)):
         lanes = torch.from_numpy(rng.standard_normal((1, rows, 4, 64)) * 3).to(dtype)
         x = lanes.double().numpy().reshape(1, rows, 256)

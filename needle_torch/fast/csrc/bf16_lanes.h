@@ -19,9 +19,7 @@ static inline Vec load(const c10::BFloat16* p) {
 // instruction (vcvtneps2bf16) rounds 16 lanes. It gives torch's bf16 for every float32 of magnitude 2^-126 or more
 // and for the infinities; a float32 subnormal becomes a zero of its sign where torch keeps a bf16 subnormal, and a
 // NaN stays a NaN of its sign where torch's is positive. Elsewhere ATen's conversion (torch's own, ~10 integer
-// operations a vector). Published size, 2 threads of a 2-core Zen 4 EPYC (avx512_bf16), the instruction against
-// ATen's: batch-32 bf16 steps through decode_step.cpp 22.5-25.8 against 26.4-27.8 ms (medians of 63, processes
-// alternating, the same logits bit for bit); hadamard_mlp.cpp's bf16 MLP at 2048 rows 1.47 against 1.74 ms.
+// operations a vector), which the one instruction beats.
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 static inline Vec round_bf16(Vec v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));

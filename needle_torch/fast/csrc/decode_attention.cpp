@@ -4,8 +4,8 @@
 // Built by needle_torch/cpu_attention.py through inductor's C++ toolchain, with these defined in front:
 // SCALAR (float or c10::BFloat16), GROUP (query heads per kv head, consecutive), HEAD (head dim).
 //
-// Why: a compiled batch-32 step's attention as fused torch ops read the cache at 5-8 GB/s (one horizontal sum per
-// key and query head, one pass of the cache per query head); here each (row, kv head) streams its K rows once for
+// Why: a compiled step's attention as fused torch ops reads the cache slowly (one horizontal sum per key and query
+// head, one pass of the cache per query head); here each (row, kv head) streams its K rows once for
 // all its query heads, then its V rows once, and skips masked keys (the buffer past the current position).
 //
 // q (B, K, GROUP, HEAD) float32; k, v (B, K, M, HEAD) SCALAR; mask (B, M) bool (true: attend); out like q, SCALAR.

@@ -40,28 +40,19 @@ static_assert(A == H * HD && H % K == 0, "attn dim = heads x head dim, heads a m
 static_assert(D % W == 0 && A % W == 0 && HD % W == 0 && (P & (P - 1)) == 0 && P >= D, "vector-aligned widths");
 constexpr float EPS = 1e-6f;
 // How far ahead of its loads a projection asks for its weight rows (bytes): the hardware prefetcher stops at 4 KiB
-// pages, and a decode step's projections are a stream of short rows. Measured on the 27 layers' products alone
-// (2 threads, 2-core AMX Xeon): bf16 dot products 3.2-3.7 against 4.2-4.6 ms, float32 6.7 against 7.1 ms. The
-// attention's passes over the cached keys and values ask the same distance ahead.
+// pages, and a decode step's projections are a stream of short rows. The attention's passes over the cached keys and
+// values ask the same distance ahead.
 constexpr int64_t PREFETCH = 2048;
 // Products of few input vectors read their weight rows one after another, each thread one stream through its share,
 // asking ROW_PREFETCH bytes ahead into L2 (prefetcht2): AMD's prefetchers follow one stream but not the 4 rows at
-// once that the interleaved order reads, and a software prefetch into L1 slowed them. Measured alone on a 2-core
-// Zen 4 EPYC (avx512_bf16, no AMX; 2 threads, a decode step's 27 x 2048 rows of 512, streamed from DRAM, ms):
-// float32 1 vector 3.5-4.2 against 5.3-6.2 interleaved, 4 vectors 4.2-5.4 against 6.5-8.1, 8 vectors 6.3-7.1
-// against 8.5-10.0, 16 vectors 14.4-14.7 against 12.4 (hence SEQ_VECTORS); bf16 dot products 1 vector 1.9-2.2
-// against 3.3-4.1, 16 vectors 4.9-6.3 against 7.0-7.4. The sums are the same either way (one float32 accumulator
-// per output over the row in vector steps; ONE_ACCS of them for one input vector, in the sequential order only).
-// The Xeon figures above (PREFETCH) were taken with the interleaved order alone; this one has not been timed there.
+// once that the interleaved order reads, and a software prefetch into L1 slowed them. Past SEQ_VECTORS input vectors
+// the interleaved order is faster again. The sums are the same either way (one float32 accumulator per output over
+// the row in vector steps; ONE_ACCS of them for one input vector, in the sequential order only).
 constexpr int64_t ROW_PREFETCH = 4096;
 constexpr int64_t SEQ_VECTORS = 8;
 // A product of one input vector sums each row into ONE_ACCS float32 accumulators, every ONE_ACCS-th vector step in
 // each, then adds them: with one, each step waits for the last one's fused multiply-add (4 cycles on Zen 4), which
-// bounds the bf16 upcast loads. Published size as AVX2 code (x86-64-v3, ATen and oneDNN capped at AVX2) on a 2-core
-// Zen 4 EPYC, batch-1 compiled steps, processes alternating (decode tok/s): bf16 297.3-316.9 with 2, 304.9-306.1
-// with 4, against 263.7-277.0 with 1; float32 alike (180.7-210.4, 183.8-191.9, 186.5-201.8: memory bound). Its own
-// AVX-512 code, bf16 on the upcast path: bf16 309.3-340.7 against 316.7-318.8, float32 234.1-245.3 against
-// 195.4-212.5, 2 against 1.
+// bounds the bf16 upcast loads; two are enough to reach the memory bound.
 constexpr int64_t ONE_ACCS = 2;
 
 // the parameters' places in the pointer table (needle_torch/cpu_decode.py's TABLE, same order)
@@ -88,8 +79,8 @@ static inline float sigmoid(float x) {
 }
 
 // A call's scratch: `n` elements of U carved from a buffer kept per calling thread (one per TAG) and grown on demand,
-// never zeroed: every element a kernel reads, it has written first. Fresh std::vectors each call cost a batch-32
-// float32 layer ~190 us before its parallel region (1.3 MB value-initialised and first touched each time).
+// never zeroed: every element a kernel reads, it has written first. Fresh std::vectors would be value-initialised and
+// first touched on every call.
 template <class U>
 struct Scratch {
     U* p;
@@ -185,10 +176,7 @@ static void rows4(const Seg& sg, int64_t o, int64_t I) {
 // rows4 for bf16 weights and bf16-valued inputs with the CPU's bf16 dot products (AVX512-BF16: pairs of exact bf16
 // products added into float32 lanes); the caller checks that the CPU has them and that I % 32 == 0. A block of 4
 // rows takes its input vectors 4 at a time (block4_dp), the rest row after row (see ROW_PREFETCH); each sum is the
-// same in either form. Published size, 2 threads of a 2-core Zen 4 EPYC (no AMX), bf16 steps through the kernels,
-// blocks and rows alone alternating in one process (medians of 63 steps, 4 rounds, the same logits bit for bit):
-// batch 32 24.9-28.1 against 29.2-32.8 ms, batch 16 15.1-15.5 against 16.3-16.4, batch 4 alike (4.9-5.7 against
-// 4.8-5.8).
+// same in either form; the blocks read each input vector once for 4 rows.
 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
 static void rows4_dp(const c10::BFloat16* w, int64_t rows, const c10::BFloat16* xh, int64_t nb, int64_t xstride,
                      float* y, int64_t ystride, int64_t I) {
@@ -216,9 +204,8 @@ static void rows4_dp(const c10::BFloat16* w, int64_t rows, const c10::BFloat16* 
 // Blocks of 16 weight rows on the CPU's AMX tiles, for products of many input vectors (dp == 2, nb >= AMX_ROWS): a
 // tile of 16 weight rows x 32 elements, read in the weights' own layout, against a tile of 16 input vectors whose
 // element pairs the caller has laid out as 32-bit words (I/2, nbp) ("VNNI"), into 16 x 16 float32 sums; the same
-// pairs of exact bf16 products in float32 as rows4_dp, summed in another order. Measured alone (2 threads, 1536
-// rows of 512, bf16, streamed): 4 vectors 131 against 149 us with rows4_dp, 16 vectors 130 against 339, 32
-// vectors 171 against 619; at 1 vector rows4_dp is faster (101 against 123 us).
+// pairs of exact bf16 products in float32 as rows4_dp, summed in another order. Below AMX_ROWS vectors rows4_dp is
+// faster.
 constexpr int64_t AMX_ROWS = 4;
 constexpr int CTILES = 4;  // float32 sum tiles per pass over a block (tiles 2..5; 0: weights, 1: inputs)
 struct TileConfig {
@@ -385,8 +372,7 @@ static void zc_norm(const float* x, const T* scale, float* out, int64_t n) {
 // Sinkhorn over the lane routing logits z = a·R + b (N x N) of `rows` rows (R at stride rstride), 20 log-space steps
 // (rows, then columns), hres = exp(z) (N x N per row). From SINKHORN_LANES rows on, up to W rows at a time, one per
 // vector lane (V = Vec); below, one row in scalar code (V = float), whose exp and log cost less than the vector ones
-// for a single row (published size, one layer: 7 against 16 us at batch 1; at batch 32 the lanes take 22 against
-// 171 us).
+// for a single row.
 constexpr int64_t SINKHORN_LANES = 4;
 static inline float maximum(float a, float b) { return std::max(a, b); }
 static inline Vec maximum(Vec a, Vec b) { return at::vec::maximum(a, b); }
@@ -458,9 +444,7 @@ static void one_layer(const int64_t* table, const T* lanes, T* out, const bool* 
     carve<uint32_t, 2>({{&vnni, std::max(vnni_words(B, D), vnni_words(B, A))}});
     // x̂ φᵀ for φ_pre, φ_post, φ_res into proj; q, gate, k, v (in that order) into qkvg; out_proj into o
     // bf16 lanes on the bf16 dot products (dp, ND a whole number of 32-element steps): x φᵀ of the lanes themselves,
-    // each row's sums then times rms_unit's factor (lanes.route's compiled form; x̂ is never written). Published size,
-    // 2-core Zen 4 EPYC, batch-32 bf16 steps: 21.5-27.3 against 24.9-27.9 ms for float32 products of x̂ (processes
-    // alternating, medians of 63).
+    // each row's sums then times rms_unit's factor (x̂ is never written): faster than float32 products of x̂.
     const bool lane_dp = !std::is_same_v<T, float> && dp && ND % 32 == 0;
     const T* lx = lane_dp ? lanes : nullptr;
     const Seg phi[3] = {{ptr(PHI_PRE), N, xhat.data(), lx, B, ND, proj.data(), R},
@@ -537,10 +521,7 @@ static void one_layer(const int64_t* table, const T* lanes, T* out, const bool* 
             for (int64_t hh = 0; hh < H + K; ++hh) {  // query heads, then kv heads (k follows gate)
                 float* v = hh < H ? q + hh * HD : q + 2 * A + (hh - H) * HD;
                 zc_norm(v, ptr(hh < H ? Q_NORM : K_NORM), tmp, HD);
-                // RoPE on vectors of the two halves: the same operations lane by lane as one pair at a time. Published
-                // size, one thread, cycle counts per layer of this phase (the roundings, q/k norms, RoPE, the K/V
-                // stores): bf16 at 32 rows 25.2 against 49.6 us one pair at a time, float32 at 16 rows 12.6-14.5
-                // against 18.6-19.8 us
+                // RoPE on vectors of the two halves: the same operations lane by lane as one pair at a time, faster.
                 if constexpr ((HD / 2) % W == 0) {
                     for (int64_t i = 0; i < HD / 2; i += W) {
                         const Vec x1 = Vec::loadu(tmp + i), x2 = Vec::loadu(tmp + i + HD / 2);
@@ -565,8 +546,7 @@ static void one_layer(const int64_t* table, const T* lanes, T* out, const bool* 
                 }
         }
         // ---- attention over the cache, one (row, kv head) per iteration: flash arithmetic (cpu_attention's); the
-        // weighted sum reads each value row once for the kv head's G query heads. One layer at batch 32 (bf16, 256
-        // cached keys): 711-721 us against 938-961 us reading the rows once per query head without the prefetch.
+        // weighted sum reads each value row once for the kv head's G query heads, not once per query head.
         #pragma omp for schedule(static)
         for (int64_t unit = 0; unit < B * K; ++unit) {
             const int64_t b = unit / K, kh = unit % K;
@@ -673,9 +653,8 @@ static void one_layer(const int64_t* table, const T* lanes, T* out, const bool* 
 // The step's lane layers, one after another in one call: tables (layers, SLOTS) their parameter pointers; x (B, N, D)
 // the first layer's lanes, then x and y each layer's input and output in turn (the last layer's output is y for an
 // odd count, x for an even one); site[i] the engram site layer i injects (-1: none), ek (G, B, D) float32 and ev
-// (G, B, D) SCALAR every site's; the rest as one_layer's. One call rather than one from Python per layer: published
-// size, batch-1 bf16 steps, the 27 layers 2.34-2.35 against 2.43-2.53 ms a step, steps 2.90-3.03 against
-// 3.00-3.20 ms (medians of 63, three processes each, alternating; the same logits bit for bit).
+// (G, B, D) SCALAR every site's; the rest as one_layer's. One call rather than one from Python per layer: no
+// Python between layers.
 extern "C" void kernel(const int64_t* tables, int64_t layers, T* x, T* y, const bool* mask, const float* cos,
                        const float* sin, const float* ek, const T* ev, const int64_t* site, int64_t B, int64_t pos,
                        int64_t M, float walsh_entry, float masked, int64_t dp) {

@@ -28,10 +28,7 @@ using Vec = at::vec::Vectorized<float>;
 #include "bf16_lanes.h"
 constexpr int64_t G = GROUP, H = HEAD, W = Vec::size(), J = HEAD / Vec::size(), KB = 2 * Vec::size();
 // Tiles by register file: AVX-512 builds have 32 vector registers, AVX2 ones (x86-64-v3: no EVEX encoding) 16, where
-// the 32-register tiles spill. One layer of a prefill chunk (8 x 256 tokens, 2 threads of a 2-core Zen 4 EPYC, medians
-// of 15, variants alternating): 32 registers, 8 rows x 2 vectors (logits) and 4 rows x the head dim (p·v) 4.7 ms,
-// seven other tilings 4.55-5.14, none clearly faster; AVX2 code (TORCHINDUCTOR_CPP_MARCH=x86-64-v3
-// ATEN_CPU_CAPABILITY=avx2), 6 x 2 and 4 rows x 2 vectors 4.96-5.35 ms against 6.71-7.08 for the 32-register tiles.
+// the 32-register tiles spill, so each build takes tiles that fit its register file.
 #ifdef __AVX512F__
 constexpr int64_t QR = 8, PR = 4, PC = J;  // query rows of a logits tile; query rows x vectors of a p·v tile
 #else

@@ -1,0 +1,135 @@
+"""The Needle 3 parity suite: both twins through the engine and the CLI on upstream's golden checkpoints.
+
+float32 holds 1e-5 relative on every probe, bf16 its profile, on every golden in tests/data/v3; `--depth all`
+compares every rung 2..5 of the 5-layer golden (exit_depth, subnetwork_only and the sliced rung model); a torch
+file with one corrupted layer exits 1 with the first divergence at that layer. Batches are small (2 x 16): the
+cost is compiling the twins, and every probe, layer and head is there at any length.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from typer.testing import CliRunner
+
+from cli import app
+from convert.io import read_checkpoint
+from convert.mapping import flax_to_torch_numpy
+from parity_tests.engine import run_parity
+from parity_tests.metrics import max_rel_of
+from parity_tests.v3.inputs import random_batch
+
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "v3"
+TINY = DATA / "needle-v3-tiny.safetensors"
+GOLDENS = sorted(p.name.removesuffix(".npz") for p in DATA.glob("*.npz") if not p.name.endswith(".cact.npz"))
+F32_PROMISE = 1e-5  # README: float32 twins agree to 1e-5 relative, probe by probe
+SMALL = ["--batch", "2", "--seq-len", "16", "--generate", "0"]
+HEADS = ("embedding", "confidence", "router")
+
+
+def per_layer(config) -> tuple[str, ...]:
+    names = ["lanes_in", "hpre", "u", "q", "k", "v", "attn_out", "mlp_out", "hpost", "hres", "lanes_out"]
+    if config.num_sites:
+        names.append("engram_gate")
+    if config.qkv_conv_taps:
+        names += ["q_conv", "k_conv", "v_conv"]
+    return tuple(names)
+
+
+def expected_probes(config, depths=()) -> set[str]:
+    names = {"embed", "final_hidden", "logits", "hidden_cells", *HEADS, *(f"{h}.pooled" for h in HEADS)}
+    if config.num_sites:
+        names |= {"engram_k", "engram_v"}
+    names |= {f"layers.{i}.{n}" for i in range(config.num_layers) for n in per_layer(config)}
+    for d in depths:
+        names |= {f"depth{d}.exit_logits", f"depth{d}.sub_logits"}
+        if d < config.num_layers:
+            names.add(f"depth{d}.sliced_logits")
+    return names
+
+
+def cli_parity(tmp_path, *args) -> tuple[int, dict | None, str]:
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["parity", *args, "--json", str(out), "--force"])
+    return result.exit_code, (json.loads(out.read_text()) if out.exists() else None), result.output
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return read_checkpoint(TINY)
+
+
+def test_float32_every_layer_head_and_rung(tmp_path, tiny):
+    code, report, output = cli_parity(tmp_path, str(TINY), "--depth", "all", "--no-grads", *SMALL)
+    assert code == 0, output
+    probes = {p["name"]: p for p in report["probes"]}
+    L = tiny.config.num_layers
+    assert L == 5
+    assert expected_probes(tiny.config, range(2, L + 1)) <= set(probes)
+    for name, p in probes.items():
+        assert p["rel_l2"] <= F32_PROMISE and max_rel_of(p) <= F32_PROMISE, name
+    [note] = [n for n in report["notes"] if n.startswith("depth rungs")]
+    assert "the twins agree on every rung" in note and "sliced rung models vs subnetwork_only logits" in note, note
+    assert ": agree," in note, note  # each twin's sliced rung model computes its subnetwork_only logits
+
+
+def test_bfloat16_passes_its_profile(tiny):
+    batch = random_batch(tiny.config, batch=2, seq_len=16, seed=1, empty_rows=1)
+    report = run_parity(tiny.config, tiny.params, batch, dtype="bfloat16", grads=False, generate=0)
+    assert report.passed, report.first_divergence
+    assert expected_probes(tiny.config) <= {p.name for p in report.probes}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in GOLDENS if n != "needle-v3-tiny"])
+def test_every_golden_passes_in_float32_and_bfloat16(tmp_path, name):
+    ckpt = DATA / f"{name}.safetensors"
+    config = read_checkpoint(ckpt).config
+    for dtype in ("float32", "bfloat16"):
+        code, report, output = cli_parity(tmp_path, str(ckpt), "--dtype", dtype, "--no-grads", *SMALL)
+        assert code == 0, (dtype, output)
+        assert expected_probes(config) <= {p["name"] for p in report["probes"]}, dtype
+
+
+def test_a_torch_file_with_one_corrupted_layer_exits_1_naming_it(tmp_path, tiny):
+    # np.array keeps 0-d leaves 0-d (np.ascontiguousarray would make them (1,)).
+    state = {k: np.array(v) for k, v in flax_to_torch_numpy(tiny.params, tiny.config).items()}
+    name = "stack.layers.2.block.self_attn.q_proj.weight"
+    noise = np.random.default_rng(0).standard_normal(state[name].shape, np.float32)
+    state[name] = state[name] + np.float32(0.05) * noise  # ~1e-1 relative: far past float32 noise
+    bad = tmp_path / "bad.safetensors"
+    save_file(state, bad)
+    code, report, output = cli_parity(tmp_path, str(TINY), "--torch", str(bad), "--no-grads", *SMALL)
+    assert code == 1, output
+    assert report["first_divergence"] == "layers.2.q", report["first_divergence"]
+    assert all(p["passed"] for p in report["probes"] if p["name"].startswith(("layers.0.", "layers.1.")))
+    # Isolated mode feeds every torch layer the Flax lanes: the failure stays in layer 2.
+    code, report, output = cli_parity(tmp_path, str(TINY), "--torch", str(bad), "--no-grads", "--mode", "isolated",
+                                      *SMALL)
+    assert code == 1, output
+    failed = {p["name"].split(".")[1] for p in report["probes"] if not p["passed"] and p["name"].startswith("layers.")}
+    assert failed == {"2"}, failed
+    assert next(p for p in report["probes"] if p["name"] == "logits")["passed"]
+
+
+def test_isolated_float32_and_every_parameter_gradient(tiny):
+    batch = random_batch(tiny.config, batch=2, seq_len=16, seed=0)
+    report = run_parity(tiny.config, tiny.params, batch, mode="isolated", generate=0)
+    assert report.passed, report.first_divergence
+    grads = report.gradients
+    assert grads.passed and len(grads.params) >= 60  # every parameter, judged at 1e-4 (tolerances.py)
+    assert grads.total.metrics["rel_l2"] <= F32_PROMISE
+
+
+def test_depth_outside_the_ladder_is_refused_in_one_line(tmp_path):
+    for depth, fix in (("1", "rungs run 2..5"), ("6", "rungs run 2..5"), ("deep", "give d with 2 <= d <= 5")):
+        code, report, output = cli_parity(tmp_path, str(TINY), "--depth", depth, *SMALL)
+        assert code == 2 and report is None, output
+        assert fix in output and len(output.strip().splitlines()) == 1, output
+    v2 = Path(__file__).resolve().parents[1] / "tests" / "data" / "needle-v2-tiny.pkl"
+    code, report, output = cli_parity(tmp_path, str(v2), "--depth", "2", "--generate", "0")
+    assert code == 2 and report is None and "has no depth ladder; drop --depth" in output, output
