@@ -10,8 +10,9 @@ A results file (schema "needle-twin/bench-result", version 1) holds one benchmar
      "recorded": "...",                     optional: how the figures came to be written down
      "rows": [{"benchmark": "...", "setting": "...", "<metric>": value or [value per run], ...}]}
 
-Metrics: decode_tok_s, e2e_tok_s, prefill_s, first_call_s, wall_s, of_bound (a fraction); any other key is
-shown as `key value`. A list gives one value per run and is shown as its range.
+Metrics: decode_tok_s, e2e_tok_s, prefill_s, first_call_s, compile_s, wall_s, of_bound (a fraction), x_upstream
+(end to end against upstream's loop in the same file); any other key is shown as `key value`. A list gives one
+value per run and is shown as its range.
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ def _metric(key: str, value) -> str:
         return f"decode {_span(vals, '{:.1f}')} tok/s"
     if key == "e2e_tok_s":
         return f"end to end {_span(vals, '{:.1f}')} tok/s"
-    if key in ("prefill_s", "first_call_s", "wall_s"):
-        name = {"prefill_s": "prefill ", "first_call_s": "first call ", "wall_s": ""}[key]
+    if key in ("prefill_s", "first_call_s", "compile_s", "wall_s"):
+        name = {"prefill_s": "prefill ", "first_call_s": "first call ", "compile_s": "compile ", "wall_s": ""}[key]
         if max(vals) < 1:
             return f"{name}{_span([v * 1000 for v in vals], '{:.0f}')} ms"
         return f"{name}{_span(vals, '{:.2f}' if max(vals) < 10 else '{:.1f}' if max(vals) < 100 else '{:.0f}')} s"
+    if key == "x_upstream":
+        return f"{_span(vals, '{:.1f}')}× upstream's loop"
     if key == "of_bound":
         return f"{_span([v * 100 for v in vals], '{:.0f}')} % of the memory bound"
     return f"{key} {_span(vals, '{:g}')}"

@@ -294,11 +294,12 @@ def _attention_step(attn: nn.Module, x: Tensor, lc: LayerCache, cache: DecodeCac
 
     kept = positions[-C:]  # the chunk's last C positions go into slots position mod C
     lc.k[:, :, kept % C], lc.v[:, :, kept % C], lc.slot_pos[kept % C] = k[:, :, -C:], v[:, :, -C:], kept
-    if stored:
+    if stored:  # by selection, not a boolean index: no data-dependent shape, so a traced step is one graph
         at = cache.sink_cols - positions[0]  # (N_s,): each sink's row in the chunk
-        fed = (at >= 0) & (at < S)
-        lc.store_k[:, :, fed], lc.store_v[:, :, fed] = k[:, :, at[fed]], v[:, :, at[fed]]
-        lc.store_pos[fed] = cache.sink_cols[fed]
+        fed, at = (at >= 0) & (at < S), at.clamp(0, S - 1)
+        lc.store_k.copy_(torch.where(fed[:, None], k[:, :, at], lc.store_k))
+        lc.store_v.copy_(torch.where(fed[:, None], v[:, :, at], lc.store_v))
+        lc.store_pos.copy_(torch.where(fed, cache.sink_cols, lc.store_pos))
     out = out * _sigmoid(attn.gate_proj(x))
     return attn.out_proj(_aq(out, quant, cfg.act_bits))
 
@@ -333,15 +334,16 @@ def _layer_step(layer: nn.Module, lanes: Tensor, offsets: tuple[Tensor, Tensor],
             + hpost[..., None] * y.float()[:, :, None, :]).to(layer.compute_dtype)  # (B, S, n, D)
 
 
-def _engram_step(model: nn.Module, cache: DecodeCache, positions: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Every site's (key, value) for the chunk, each (G, B, S, D): the forward's own `_engram_kv` on the chunk behind
-    its token history of W = (max(O) - 1) + 3·max(O) positions (the oldest value row its dilated taps read, and that
-    row's oldest n-gram token), under (causal ∧ valid) ∨ diagonal as the forward's full mask. Exact: no row kept
-    reads past the window's start, and the positions before 0 are invalid zeros, as the forward's zero fill. Under a
-    kv window the mask is the windowed one (the module docstring), as the forward reads its mask."""
+def _engram_step(model: nn.Module, cache: DecodeCache, start: int, S: int) -> tuple[Tensor, Tensor] | None:
+    """Every site's (key, value) for the chunk of S positions from `start`, each (G, B, S, D): the forward's own
+    `_engram_kv` on the chunk behind its token history of W = (max(O) - 1) + 3·max(O) positions (the oldest value
+    row its dilated taps read, and that row's oldest n-gram token), under (causal ∧ valid) ∨ diagonal as the
+    forward's full mask. Exact: no row kept reads past the window's start, and the positions before 0 are invalid
+    zeros, as the forward's zero fill. Under a kv window the mask is the windowed one (the module docstring), as the
+    forward reads its mask."""
     if not len(model.engrams):
         return None
-    S, start, W = positions.shape[0], int(positions[0]), _engram_history(model.config)
+    W = _engram_history(model.config)
     window = slice(cache.lead + start - W, cache.lead + start + S)
     valid = cache.valid[:, window]  # (B, W + S)
     T = W + S
@@ -356,23 +358,33 @@ def _engram_step(model: nn.Module, cache: DecodeCache, positions: Tensor) -> tup
     return keys[:, :, W:], values[:, :, W:]
 
 
-def decode_step(model: nn.Module, tokens: Tensor, cache: DecodeCache, pos: int, last_only: bool = False) -> Tensor:
+def layer_decode(layer: nn.Module, lanes: Tensor, lc: LayerCache, cache: DecodeCache, positions: Tensor,
+                 engram_kv: tuple[Tensor, Tensor] | None, site_flags: Tensor, offsets: tuple[Tensor, Tensor]) -> Tensor:
+    """One layer of decode_step at `positions` (S,): lanes (B, S, n, D) in dt -> the new lanes, updating lc. Its
+    arguments are tensors, the layer and the cache, so that one traced graph serves every layer of a kind
+    (needle_torch.fast.v3)."""
+    attention = functools.partial(_attention_step, layer.block.self_attn, lc=lc, cache=cache, positions=positions)
+    return _layer_step(layer, lanes, offsets, attention, engram_kv, site_flags, cache.quant)
+
+
+def decode_step(model: nn.Module, tokens: Tensor, cache: DecodeCache, pos: int, last_only: bool = False,
+                layer_step: Callable[..., Tensor] = layer_decode) -> Tensor:
     """Feed tokens (B, S) at buffer positions pos..pos + S - 1 (pos 0 with the prompts: the prefill; then one token
-    a step), updating the cache: float32 logits (B, S, V_out), or (B, 1, V_out) with last_only."""
+    a step), updating the cache: float32 logits (B, S, V_out), or (B, 1, V_out) with last_only. layer_step runs
+    each layer (layer_decode's arguments: needle_torch.fast.v3 passes its compiled graphs)."""
     cfg = model.config
     B, S = tokens.shape
     positions = torch.arange(pos, pos + S, device=tokens.device)  # (S,)
     cache.tokens[:, cache.lead + pos:cache.lead + pos + S] = tokens
-    engram_kv = _engram_step(model, cache, positions)
+    engram_kv = _engram_step(model, cache, pos, S)
     x = model._input_embeddings(tokens)  # (B, S, D)
     lanes = x.to(model.stack.compute_dtype)[:, :, None, :].expand(B, S, cfg.mhc_lanes, cfg.d_model)  # (B, S, n, D)
     for i, (layer, lc) in enumerate(zip(model.stack.layers, cache.layers, strict=True)):
         if lc is None:
             continue
         flags = torch.tensor([float(site == i) for site in cfg.engram_layers], device=x.device)  # (G,)
-        attention = functools.partial(_attention_step, layer.block.self_attn, lc=lc, cache=cache, positions=positions)
-        lanes = _layer_step(layer, lanes, _lane_offsets(lc.lane, cfg.mhc_lanes, x.device), attention, engram_kv,
-                            flags, cache.quant)
+        lanes = layer_step(layer, lanes, lc, cache, positions, engram_kv, flags,
+                           _lane_offsets(lc.lane, cfg.mhc_lanes, x.device))
     x = model.stack.final_norm(lanes.mean(dim=2))  # (B, S, D)
     return model._logits(x[:, -1:] if last_only else x, cache.quant)
 
@@ -404,7 +416,8 @@ def _prepare(model: nn.Module, tokens, max_new_tokens, kv_window, sink, layers, 
 def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int | None = None,
              kv_window: int | None = None, sink=None, quant: bool = False, temperature: float = 0.0,
              seed: int | None = None, eos_token_id: int | None = EOS_ID, pad_token_id: int = PAD_ID,
-             return_logits: bool = False, return_logprobs: bool = False, streamer: Streamer | None = None):
+             return_logits: bool = False, return_logprobs: bool = False, streamer: Streamer | None = None,
+             compile: bool = False):
     """Cached generation: the new tokens LongTensor (B, max_new_tokens), plus (logits, logprobs) on request.
 
     tokens: (B, P) prompts (BOS included), left-padded with pad_token_id; P + max_new_tokens <= max_seq_len.
@@ -419,7 +432,9 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int 
     not JAX's: sampled tokens follow upstream's distribution, not its draws). Each row stops at its first
     eos_token_id (kept; None: never) and holds pad_token_id after it. return_logits: the float32 logits
     (B, steps, V_out) each token came from; return_logprobs: the chosen tokens' log-probabilities (B, steps), 0
-    after a row's EOS. streamer: called with each step's (B,) tokens on the CPU."""
+    after a row's EOS. streamer: called with each step's (B,) tokens on the CPU. compile: the one-token steps
+    through torch.compile (needle_torch.fast.v3.compiled_step: the same tokens, logits up to the order of float32
+    sums; the first request of a shape compiles)."""
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, layers,
                                                   temperature, seed, eos_token_id, pad_token_id)
     B, P = prompts.shape
@@ -427,10 +442,16 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int 
     cache = new_cache(model, B, P + G, valid, kv_window, layers, sink, quant)
     prefill = decode_step(model, prompts, cache, 0, last_only=True)[:, 0]  # (B, V_out): chooses token 0
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
+    if compile:
+        from needle_torch.fast.v3 import compiled_step
+
+        step = compiled_step(model)
+    else:
+        step = decode_step
 
     def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):
         # token t - 1 goes in at position P + t - 1; its logits choose token t
-        logits = prefill if t == 0 else decode_step(model, out[:, t - 1:t], cache, P + t - 1)[:, 0]
+        logits = prefill if t == 0 else step(model, out[:, t - 1:t], cache, P + t - 1)[:, 0]
         return (logits, *pick(logits, done, eos_t, pad_t, noise, sampler.inv_temp))
 
     return _loop(advance, sampler, B, G, device, eos, pad_token_id, streamer, return_logits, return_logprobs)
@@ -472,4 +493,5 @@ def generate_recompute(model: nn.Module, tokens, max_new_tokens: int = 64, *, la
     return _loop(advance, sampler, B, G, device, eos, pad_token_id, streamer, return_logits, return_logprobs)
 
 
-__all__ = ["DecodeCache", "LayerCache", "decode_step", "generate", "generate_recompute", "kv_bound", "new_cache"]
+__all__ = ["DecodeCache", "LayerCache", "decode_step", "generate", "generate_recompute", "kv_bound", "layer_decode",
+           "new_cache"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -255,13 +254,6 @@ def kron_apply(z: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return z.reshape(*lead, a.shape[0] * b.shape[0])  # (..., P)
 
 
-@functools.cache
-def _perms(n: int, split: bool) -> tuple[np.ndarray, np.ndarray]:
-    """upstream's two fixed gathers (numpy RandomState(11), (13)); kept as numpy so that no tensor made under
-    inference_mode is cached into a later autograd forward."""
-    return hada_perms(n, split)
-
-
 class HadamardMLP(nn.Module):
     """`hadamard_mlp`: three learned Kronecker pairs between two fixed permutations, low-rank conditioning."""
 
@@ -278,11 +270,17 @@ class HadamardMLP(nn.Module):
         self.d3, self.d4 = (nn.Parameter(torch.empty(P)) for _ in range(2))
         self.cond_v = _Dense(D, HADA_COND_RANK, dt)
         self.cond_u = _Dense(HADA_COND_RANK, P, dt)
+        # upstream's two fixed gathers (numpy RandomState(11), (13)), made here and not in forward: an index made
+        # under inference_mode must not reach an autograd forward, and a traced forward needs no numpy. On the CPU
+        # even under a meta-device build (no state dict holds them); .to(x.device) in forward covers the rest.
+        p1, p2 = hada_perms(P, self.split)
+        self.register_buffer("p1", torch.as_tensor(p1, dtype=torch.long, device="cpu"), persistent=False)
+        self.register_buffer("p2", torch.as_tensor(p2, dtype=torch.long, device="cpu"), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """x (B, T, D) in dt, the pre-normed block input -> (B, T, D) in dt."""
         dt, P = self.compute_dtype, self.d1.shape[0]
-        p1, p2 = (torch.as_tensor(p, device=x.device) for p in _perms(P, self.split))
+        p1, p2 = self.p1.to(x.device), self.p2.to(x.device)  # (P,) each
         w = {name: getattr(self, name).to(dt) for name in ("w1a", "w1b", "w2a", "w2b", "w3a", "w3b")}
         d1, d2, b2, d3, d4 = (t.to(dt) for t in (self.d1, self.d2, self.b2, self.d3, self.d4))
         cond = 1 + self.cond_u(_softmax(self.cond_v(x)))  # (B, T, P), from the unpadded x
@@ -722,7 +720,8 @@ class SimpleAttentionNetwork(Pretrained, nn.Module):
 
     def generate(self, tokens: Tensor, max_new_tokens: int = 64, **options):
         """Cached generation from left-padded prompts (B, P): the new tokens (B, max_new_tokens), greedy by default;
-        options (layers, kv_window, temperature, seed, eos/pad ids, returns, streamer): needle_torch.v3.generate."""
+        options (layers, kv_window, sink, quant, temperature, seed, eos/pad ids, returns, streamer, compile):
+        needle_torch.v3.generate."""
         return generate_cached(self, tokens, max_new_tokens, **options)
 
 

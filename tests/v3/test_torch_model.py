@@ -418,6 +418,23 @@ def test_gradients_reach_every_parameter(tiny):
     model.zero_grad()
 
 
+def test_training_after_an_inference_mode_generate():
+    """The Monarch permutations are buffers made with the model, outside any inference_mode and outside the state
+    dict: a fresh model's first use is generate (under inference_mode), and a training step after it still
+    backpropagates through the gathers (an index tensor made under inference_mode cannot be saved for backward)."""
+    cfg = _tiny()
+    model = SimpleAttentionNetwork(cfg)
+    model.load_state_dict(convert.flax_to_torch(convert.random_flax_params(cfg, seed=3, groups=model.groups), cfg))
+    mlp = model.stack.layers[0].block.hadamard_mlp
+    assert not any(name.endswith((".p1", ".p2")) for name in model.state_dict())
+    assert not mlp.p1.is_inference() and mlp.p1.dtype == torch.long
+    tok = torch.randint(20, cfg.vocab_size, (2, 6))
+    model.generate(tok, 2)
+    model.train()
+    model(tok).logsumexp(-1).mean().backward()
+    assert mlp.w1a.grad is not None and torch.isfinite(mlp.w1a.grad).all() and mlp.w1a.grad.abs().sum() > 0
+
+
 LOAD_WITHOUT_JAX = """
 import sys
 class Block:
