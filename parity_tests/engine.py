@@ -151,7 +151,7 @@ def run(spec: RunSpec, flax_params: Mapping[str, Any], batch: Batch, *,
 
     flax_params / torch_params: nested upstream Flax trees of numpy arrays (torch_params: a torch checkpoint
     already mapped to the Flax layout; None = convert flax_params in memory). lora: an adapter of a family with
-    LoRA (Needle 2): its A/B gradients are compared too (flax_params is the base; the probes run the base).
+    LoRA (Needle 2, Needle 3): its A/B gradients are compared too (flax_params is the base; the probes run the base).
     """
     adapter, config = spec.adapter, spec.config
     with pinned_precision(spec.pin_precision):

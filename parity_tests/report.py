@@ -83,7 +83,7 @@ class Report:
     environment: dict[str, Any]
     gradients: GradientResult | None = None
     generation: dict[str, Any] | None = None
-    lora_gradients: GradientResult | None = None  # an adapter's A/B gradients (Needle 2 --lora)
+    lora_gradients: GradientResult | None = None  # an adapter's A/B gradients (--lora)
     passed: bool = False
     first_divergence: str | None = None
     notes: list[str] = field(default_factory=list)

@@ -19,8 +19,13 @@ from typer.testing import CliRunner
 from cli import app
 from convert.io import read_checkpoint
 from convert.mapping import flax_to_torch_numpy
-from parity_tests.engine import run_parity
+from convert.v3.lora import read_adapter
+from parity_tests.engine import pinned_precision, run_parity
 from parity_tests.metrics import max_rel_of
+from parity_tests.report import _judged_gradients
+from parity_tests.tolerances import get_profile
+from parity_tests.twins import build_twins
+from parity_tests.v3.adapter import ADAPTER
 from parity_tests.v3.inputs import random_batch
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "v3"
@@ -123,6 +128,44 @@ def test_isolated_float32_and_every_parameter_gradient(tiny):
     grads = report.gradients
     assert grads.passed and len(grads.params) >= 60  # every parameter, judged at 1e-4 (tolerances.py)
     assert grads.total.metrics["rel_l2"] <= F32_PROMISE
+
+
+LORA = DATA / "needle-v3-tiny.lora.safetensors"
+LORA_TARGETS = {f"stack/layers/block/self_attn/{m}/kernel/{w}" for m in ("q_proj", "k_proj", "v_proj", "out_proj",
+                                                                        "gate_proj") for w in "AB"}
+
+
+def test_lora_gradients_per_target_and_a_wrong_b_fails(monkeypatch, tiny):
+    """Upstream's merge-inside-the-loss (Flax) against PEFT on the torch twin: each target's A and B within the
+    gradient budget; a torch side that reads one layer's B wrong fails (the CLI's exit 1: report.score's rule).
+    The engine and CLI call exactly ADAPTER.lora_gradients for --lora; the probes are left out to keep this fast."""
+    from parity_tests import lora as lora_parity
+
+    twins = build_twins(ADAPTER, tiny.config, tiny.params, "float32", None, "cpu", "cpu")
+    batch, adapter = random_batch(tiny.config, batch=2, seq_len=16, seed=0), read_adapter(LORA)
+    profile = get_profile(ADAPTER.budgets, "float32")
+
+    def judged():
+        with pinned_precision(True):  # as the CLI runs it
+            return _judged_gradients(ADAPTER.lora_gradients(twins, batch, adapter), profile)
+
+    good = judged()
+    assert good.passed and {p.name for p in good.params} == LORA_TARGETS
+    assert good.total.metrics["rel_l2"] <= F32_PROMISE  # measured 1.2e-6 (2 x 16 batch)
+
+    real = lora_parity.peft_model
+
+    def wrong_b(model, a):
+        target = "stack/layers/block/self_attn/v_proj/kernel"
+        B = a.lora[target]["B"].copy()
+        B[1] = -B[1]  # layer 1: B negated
+        return real(model, type(a)({**a.lora, target: {"A": a.lora[target]["A"], "B": B}}, a.scale, a.rank,
+                                   a.base))
+
+    monkeypatch.setattr(lora_parity, "peft_model", wrong_b)
+    bad = judged()
+    assert not bad.passed and not bad.total.passed
+    assert not next(p for p in bad.params if p.name.endswith("v_proj/kernel/B")).passed
 
 
 def test_depth_outside_the_ladder_is_refused_in_one_line(tmp_path):
