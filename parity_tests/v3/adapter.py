@@ -26,6 +26,7 @@ class V3Adapter(Adapter):
     text_batch = staticmethod(inputs.text_batch)
     depths = staticmethod(runs.parse_depth)
     lora_gradients = staticmethod(lora_gradient_parity)
+    rounding_flips = staticmethod(runs.rounding_flips)
 
 
 ADAPTER = V3Adapter()
