@@ -378,8 +378,8 @@ def parity_command(
         "--depth", help="Needle 3: also compare the twins at ladder rung d (exit_depth and subnetwork_only logits, "
                         "and the sliced rung model), or at every rung 2..L with 'all'.")] = None,
     lora: Annotated[Optional[str], typer.Option(
-        "--lora", help="Needle 2: a LoRA adapter (pickle or PEFT dir) for the checkpoint; compare its A/B gradients "
-                       "(Flax: upstream's merge in the loss; torch: PEFT).")] = None,
+        "--lora", help="Needle 2/3: a LoRA adapter (upstream's file or a PEFT dir) for the checkpoint; compare its A/B "
+                       "gradients (Flax: upstream's merge in the loss; torch: PEFT).")] = None,
     quiet: Annotated[bool, _QUIET] = False,
     profile: Annotated[Optional[str], _PROFILE] = None,
     rtol: Annotated[Optional[float], _RTOL] = None,

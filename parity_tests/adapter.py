@@ -113,6 +113,12 @@ class Adapter(ABC):
         """The report's greedy-generation section (None: the family has no decoder to compare)."""
         return None
 
+    def rounding_flips(self, twins, ref: dict, test: dict) -> dict | None:
+        """Rounding flips at the activation quantisers of the quant pass (parity_tests/flips.py), for families whose
+        runs trace them: the report's `flips` section, with the quant pass's probes in `test` given the reference's
+        values at the affected positions (judged outside them). None: no quant pass traced."""
+        return None
+
     def lora_gradients(self, twins, batch, adapter: Any) -> Any:
         """A GradientResult of a LoRA adapter's A/B gradients."""
         raise NeedleTwinError(f"the {self.name} family has no LoRA adapters; drop --lora")

@@ -151,7 +151,7 @@ def run(spec: RunSpec, flax_params: Mapping[str, Any], batch: Batch, *,
 
     flax_params / torch_params: nested upstream Flax trees of numpy arrays (torch_params: a torch checkpoint
     already mapped to the Flax layout; None = convert flax_params in memory). lora: an adapter of a family with
-    LoRA (Needle 2): its A/B gradients are compared too (flax_params is the base; the probes run the base).
+    LoRA (Needle 2, Needle 3): its A/B gradients are compared too (flax_params is the base; the probes run the base).
     """
     adapter, config = spec.adapter, spec.config
     with pinned_precision(spec.pin_precision):
@@ -161,6 +161,7 @@ def run(spec: RunSpec, flax_params: Mapping[str, Any], batch: Batch, *,
         table = adapter.probe_table(twins)
         ref = adapter.flax_probes(twins, batch)
         test = adapter.torch_probes(twins, batch, ref if spec.mode == "isolated" else None)
+        flips = adapter.rounding_flips(twins, ref, test)
         results = compare_probes(table, test, ref)
         gradients = gradient_parity(twins, batch) if spec.grads else None
         lora_gradients = None if lora is None else adapter.lora_gradients(twins, batch, lora)
@@ -170,7 +171,7 @@ def run(spec: RunSpec, flax_params: Mapping[str, Any], batch: Batch, *,
     model = {"family": adapter.name, "config": config.to_dict(), **(model_info or {})}
     report = Report(mode=spec.mode, dtype=spec.dtype, num_params=count_params(flax_params), profile=spec.profile,
                     probes=results, inputs=batch.describe(config.pad_token_id), model=model, environment=env,
-                    gradients=gradients, generation=generation, lora_gradients=lora_gradients)
+                    gradients=gradients, generation=generation, lora_gradients=lora_gradients, flips=flips)
     report = score(report, spec.profile)
     if spec.note:
         report.notes.append(spec.note)

@@ -83,7 +83,8 @@ class Report:
     environment: dict[str, Any]
     gradients: GradientResult | None = None
     generation: dict[str, Any] | None = None
-    lora_gradients: GradientResult | None = None  # an adapter's A/B gradients (Needle 2 --lora)
+    lora_gradients: GradientResult | None = None  # an adapter's A/B gradients (--lora)
+    flips: dict[str, Any] | None = None  # rounding flips of the quant pass (parity_tests/flips.py); ok False fails
     passed: bool = False
     first_divergence: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -105,6 +106,7 @@ class Report:
             "probes": [p.to_dict() for p in self.probes],
             "gradients": None if self.gradients is None else self.gradients.to_dict(),
             "lora_gradients": None if self.lora_gradients is None else self.lora_gradients.to_dict(),
+            "flips": json_safe(self.flips),
             "generation": json_safe(self.generation),
             "inputs": json_safe(self.inputs),
             "model": json_safe(self.model),
@@ -129,7 +131,8 @@ class Report:
                 gradients=None if d.get("gradients") is None else GradientResult.from_dict(d["gradients"]),
                 lora_gradients=None if d.get("lora_gradients") is None else GradientResult.from_dict(
                     d["lora_gradients"]),
-                generation=d.get("generation"), passed=bool(d["passed"]), first_divergence=d.get("first_divergence"),
+                flips=d.get("flips"), generation=d.get("generation"), passed=bool(d["passed"]),
+                first_divergence=d.get("first_divergence"),
                 notes=list(d.get("notes", [])),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -148,7 +151,8 @@ def score(report: Report, profile: Profile) -> Report:
     probes = [_judged(p, budget, logits=p.is_logits) for p in report.probes]
     first = next((p.name for p in probes if not p.passed), None)
     gradients, lora = (_judged_gradients(g, profile) for g in (report.gradients, report.lora_gradients))
-    passed = first is None and all(g is None or g.passed for g in (gradients, lora))
+    passed = first is None and all(g is None or g.passed for g in (gradients, lora)) and (
+        report.flips is None or bool(report.flips.get("ok")))
     return dataclasses.replace(report, profile=profile, probes=probes, gradients=gradients, lora_gradients=lora,
                                passed=passed, first_divergence=first)
 
@@ -231,6 +235,12 @@ def render_terminal(report: Report, console=None) -> None:
         say(f"logits: KL mean {_fmt(m.get('kl_mean'))}, KL max {_fmt(m.get('kl_max'))} "
             f"(budget {_fmt(logits.tolerance.get('kl_max'))}), top-1 agreement {_fmt(m.get('top1'), 'pct')}, "
             f"top-5 overlap {_fmt(m.get('top5'), 'pct')}")
+    if report.flips is not None:  # the quant pass's rounding flips (parity_tests/flips.py)
+        verdict = "ok" if report.flips.get("ok") else "[red]FAIL[/]"
+        lines = str(report.flips.get("summary", "")).splitlines() or [""]
+        say(f"rounding flips ({', '.join(report.flips.get('probes', []))}): {escape(lines[0])} {verdict}")
+        for line in lines[1:]:
+            say(escape(line))
     if report.gradients is not None:
         _render_gradients(report.gradients, console)
     if report.lora_gradients is not None:

@@ -161,7 +161,7 @@ def test_float32_gradients_full_fine_tuning_and_lora(ckpt, fixture_batch):
 
 def test_a_wrong_adapter_on_the_torch_side_fails_lora_gradient_parity(ckpt, fixture_batch, monkeypatch):
     """The comparison can fail: a torch side that reads A and B swapped in one layer is caught by name."""
-    from parity_tests.v2 import lora as lora_parity
+    from parity_tests import lora as lora_parity
 
     adapter = read_upstream_adapter(V2_LORA)
     real = lora_parity.peft_model

@@ -133,7 +133,7 @@ def _check(adapter: Adapter, what: str, allow_untrained: bool = False) -> Adapte
             raise CheckpointError(f"{what}: 'rows' holds NaN or Inf values; the adapter is corrupt (a diverged run?), "
                                   "use another checkpoint of it")
     if not adapter.whistle:
-        v2.check_alone(_as_v2(adapter), what, allow_untrained)
+        v2.check_alone(as_v2(adapter), what, allow_untrained)
         return adapter
     for target, ab in adapter.lora.items():  # Whistle: its own targets
         if sorted(ab) != ["A", "B"]:
@@ -148,7 +148,7 @@ def _check(adapter: Adapter, what: str, allow_untrained: bool = False) -> Adapte
     return adapter
 
 
-def _as_v2(adapter: Adapter) -> v2.Adapter:
+def as_v2(adapter: Adapter) -> v2.Adapter:
     """The same adapter in Needle 2's terms (its checks and PEFT layout apply unchanged)."""
     return v2.Adapter(adapter.lora, adapter.scale, adapter.rank, adapter.base or "")
 

@@ -1,92 +1,11 @@
-"""LoRA gradient parity for Needle 2: every adapter A and B, Flax against torch, on upstream's fine-tuning loss.
-
-Flax differentiates upstream's own formulation: the loss of `model.apply(merge_lora(params, lora, scale))`, the
-merge inside the loss (`W + cast(scale·A@B)`), gradients w.r.t. A and B only. torch differentiates PEFT's: the
-base frozen, `lora_B(lora_A(x))·scale` added to each target's output. The two are the same function of A and B;
-the gradients are compared in upstream's layout (A (L, in, r), B (L, r, out)) per target, and as one vector.
-"""
+"""Needle 2's LoRA gradient parity (parity_tests.lora): its Flax model and LM loss; its adapters are PEFT's own."""
 
 from __future__ import annotations
 
-import copy
-import functools
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-import torch
-
-from convert.errors import NeedleTwinError
-from convert.trees import flatten_tree, unflatten_tree
-from convert.v2.config import TransformerConfig
-from convert.v2.lora import Adapter, module_name
 from needle_flax.v2 import SimpleAttentionNetwork as FlaxModel
-from needle_torch.v2.peft import peft_model
-from parity_tests.gradients import compare_gradients
-from parity_tests.inputs import Batch
-from parity_tests.report import GradientResult
-from parity_tests.twins import Twins
+from parity_tests.lora import LoraFamily
 from parity_tests.v2.runs import loss_arrays, torch_loss
 
-
-@functools.lru_cache(maxsize=8)
-def _flax_lora_value_and_grad(config: TransformerConfig, targets: tuple[str, ...]):
-    model = FlaxModel(config)
-
-    def loss_fn(lora, params, scale, inputs, labels, weights):
-        flat = flatten_tree(params)
-        for path in targets:  # upstream's merge_lora, inside the loss: W + cast_W(scale · A @ B)
-            w = flat[path]
-            flat[path] = w + (scale * jnp.matmul(lora[path]["A"], lora[path]["B"])).astype(w.dtype)
-        logits = model.apply({"params": unflatten_tree(flat)}, inputs)  # causal mask, as upstream's finetune
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-        return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-
-    return jax.jit(jax.value_and_grad(loss_fn))
-
-
-def flax_lora_grads(twins: Twins, batch: Batch, adapter: Adapter) -> tuple[float, dict[str, np.ndarray]]:
-    """Loss and {"<target>/A" | "<target>/B": gradient} in upstream's layout."""
-    lora = {t: {k: jnp.asarray(ab[k], jnp.float32) for k in ("A", "B")} for t, ab in adapter.lora.items()}
-    arrays = [twins.to_jax(a) for a in loss_arrays(batch, twins.config.pad_token_id)]
-    fn = _flax_lora_value_and_grad(twins.config, tuple(adapter.lora))
-    loss, grads = fn(lora, twins.flax_params, jnp.float32(adapter.scale), *arrays)
-    grads = jax.device_get(grads)
-    return float(loss), {f"{t}/{k}": np.asarray(grads[t][k]) for t in adapter.lora for k in ("A", "B")}
-
-
-def torch_lora_grads(twins: Twins, batch: Batch, adapter: Adapter) -> tuple[float, dict[str, np.ndarray]]:
-    """The same through PEFT on a copy of the torch twin (PEFT wraps its model in place): lora_A.weight (r, in) =
-    A[i]ᵀ, lora_B.weight (out, r) = B[i]ᵀ."""
-    model = peft_model(copy.deepcopy(twins.torch_model), adapter).to(twins.torch_device)
-    layered = Twins(twins.adapter, twins.config, twins.flax_model, twins.flax_params, model, twins.jax_device,
-                    twins.torch_device)
-    named = dict(model.named_parameters())
-    for name, param in named.items():  # PEFT loads an adapter for inference (frozen): train only A and B
-        param.requires_grad_(".lora_A." in name or ".lora_B." in name)
-    with torch.enable_grad():
-        loss = torch_loss(layered, batch)
-        loss.backward()
-    out: dict[str, np.ndarray] = {}
-    for target in adapter.lora:
-        for which in ("A", "B"):
-            layers = []
-            for i in range(adapter.num_layers):
-                param = named[f"base_model.model.{module_name(target, i)}.lora_{which}.default.weight"]
-                layers.append(param.grad.detach().float().cpu().numpy().T)
-            out[f"{target}/{which}"] = np.stack(layers)
-    return float(loss.detach()), out
-
-
-def lora_gradient_parity(twins: Twins, batch: Batch, adapter: Adapter) -> GradientResult:
-    """Unjudged per-tensor metrics of the adapter's gradients (torch = test, Flax = reference).
-
-    float32 only: in half precision PEFT keeps A and B in float32 beside the bf16 weights, while upstream merges
-    them into the bf16 weights, so the two are no longer the same function."""
-    if twins.config.dtype != "float32":
-        raise NeedleTwinError(f"LoRA gradient parity runs in float32 (PEFT keeps the adapter in float32 beside "
-                              f"{twins.config.dtype} weights, upstream merges into them); use --dtype float32")
-    loss_f, ref = flax_lora_grads(twins, batch, adapter)
-    loss_t, test = torch_lora_grads(twins, batch, adapter)
-    return GradientResult(loss_f, loss_t, *compare_gradients(test, ref))
+LORA = LoraFamily(FlaxModel, lambda batch, config: loss_arrays(batch, config.pad_token_id), torch_loss,
+                  lambda adapter: adapter)
+lora_gradient_parity = LORA.gradients

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from convert.errors import NeedleTwinError
 from convert.v3.family import FAMILY
 from needle_flax.v3 import SimpleAttentionNetwork as FlaxModel
 from parity_tests.adapter import Adapter
 from parity_tests.v3 import inputs, runs
+from parity_tests.v3.lora import lora_gradient_parity
 from parity_tests.v3.tolerances import BUDGETS
 
 
@@ -25,10 +25,8 @@ class V3Adapter(Adapter):
     token_file = staticmethod(inputs.load_token_file)
     text_batch = staticmethod(inputs.text_batch)
     depths = staticmethod(runs.parse_depth)
-
-    def lora_gradients(self, twins, batch, adapter):
-        raise NeedleTwinError("Needle 3 LoRA gradient parity is not built yet (the torch twin has no PEFT wrapper "
-                              "for it); drop --lora, or merge the adapter into the checkpoint first")
+    lora_gradients = staticmethod(lora_gradient_parity)
+    rounding_flips = staticmethod(runs.rounding_flips)
 
 
 ADAPTER = V3Adapter()

@@ -7,7 +7,8 @@ and the lanes after it (a stage boundary: isolated mode feeds each torch layer t
 (__call__), "cells" (hidden_cells), one per head the checkpoint has ("embedding", "confidence", "router": the
 pooled vector (B, Q·D) and the head's output), and with `--depth` one "depth{d}" pass per rung d: the exit logits
 of `exit_depth=d`, the rung's own logits of `subnetwork_only`, and (d < L) the logits of the sliced rung model
-(`ladder_slice`, what `needle build --layers d` deploys) run on its own.
+(`ladder_slice`, what `needle build --layers d` deploys) run on its own. "quant" (float32): the logits of
+`quant=True`, each side's activation quantiser calls traced for rounding flips.
 Return values (logits, cells, heads, rung logits) have no torch module: both runs add them under the probe name.
 """
 
@@ -21,7 +22,9 @@ from parity_tests.probes import Probe
 LAYER = ("stack", "layers")
 BLOCK = ("stack", "layers", "block")
 HEADS = {"embedding": "embedding_head", "confidence": "confidence_head", "router": "router_head"}  # pass: group
-DEFAULT_PASSES = ("forward", "cells", *HEADS)
+# "quant": __call__ with quant=True (upstream's deploy fake-quant), float32 runs only: its logits are judged outside
+# the positions a rounding flip at an A8 quantiser affected (parity_tests/flips.py; the report's `flips`).
+DEFAULT_PASSES = ("forward", "quant", "cells", *HEADS)
 RUNG_OUTPUTS = ("exit_logits", "sub_logits", "sliced_logits")
 ATTN = ("self_attn",)
 
@@ -61,7 +64,7 @@ def probe_table(config: TransformerConfig, groups: Iterable[str] = tuple(HEADS.v
         table += _layer(i, config)
     table += [Probe("final_hidden", ("stack", "final_hidden"), "stack.tap_final_hidden", boundary=True,
                     pass_="forward"),
-              _returned("logits", "forward"), _returned("hidden_cells", "cells")]
+              _returned("logits", "forward"), _returned("quant_logits", "quant"), _returned("hidden_cells", "cells")]
     for head, group in HEADS.items():
         if group in groups:
             table += [Probe(f"{head}.pooled", (group, "pooled"), f"{group}.tap_pooled", pass_=head),

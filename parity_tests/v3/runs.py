@@ -29,7 +29,7 @@ from needle_flax import layers as flax_layers
 from needle_flax.v3 import SimpleAttentionNetwork as FlaxModel
 from needle_torch import layers as torch_layers
 from needle_torch.v3 import SimpleAttentionNetwork as TorchModel
-from parity_tests import probes
+from parity_tests import flips, probes
 from parity_tests.inputs import Batch
 from parity_tests.twins import Twins
 from parity_tests.v3.probes import DEFAULT_PASSES, HEADS, probe_table
@@ -70,6 +70,8 @@ def groups(twins: Twins) -> tuple[str, ...]:
 
 
 def table(twins: Twins, passes=DEFAULT_PASSES) -> list[probes.Probe]:
+    if twins.config.dtype != "float32":  # the flip margins are float32 noise; a half-precision run has no quant pass
+        passes = tuple(p for p in passes if p != "quant")
     return probe_table(twins.config, groups(twins), passes, getattr(twins, "depths", ()))
 
 
@@ -91,6 +93,8 @@ def _flax_passes(config: TransformerConfig, passes: tuple[str, ...]):
         mask = flax_layers.make_attention_mask(tokens, pad)
         out = {}
         for name in passes:
+            if name == "quant":  # run apart, traced (_flax_quant)
+                continue
             if name == "forward":
                 logits, col = model.apply({"params": params}, tokens, mask, mutable=mutable)
                 out[name] = {**col[flax_layers.PROBES], "logits": (logits,)}
@@ -116,9 +120,33 @@ def _flax_passes(config: TransformerConfig, passes: tuple[str, ...]):
 def flax_probes(twins: Twins, batch: Batch, passes=DEFAULT_PASSES) -> dict[str, np.ndarray]:
     """Every probe of the Flax twin, one jitted function over the passes."""
     probe_list = table(twins, passes)
-    run = _flax_passes(twins.config, _passes(probe_list))
-    collections = jax.device_get(run(twins.flax_params, twins.to_jax(batch.tokens)))
-    return probes.flax_probes(probe_list, collections)
+    run = _flax_passes(twins.config, tuple(p for p in _passes(probe_list) if p != "quant"))
+    tokens = twins.to_jax(batch.tokens)
+    collections = jax.device_get(run(twins.flax_params, tokens))
+    out = probes.flax_probes([p for p in probe_list if p.pass_ != "quant"], collections)
+    if "quant" in _passes(probe_list):
+        out["quant_logits"] = _flax_quant(twins, tokens)
+    return out
+
+
+def _flax_quant(twins: Twins, tokens) -> np.ndarray:
+    """quant=True logits, the quantiser calls recorded in twins.quant_calls["flax"]. A fresh jit inside the trace
+    (a cached one has no callbacks), outside the passes' jit (their sown collections would carry it)."""
+    model, pad = FlaxModel(twins.config), twins.config.pad_token_id
+
+    def run(params, tokens):
+        return model.apply({"params": params}, tokens, flax_layers.make_attention_mask(tokens, pad), quant=True)
+
+    with flips.trace_flax() as calls:
+        logits = jax.device_get(jax.jit(run)(twins.flax_params, tokens))
+    _quant_calls(twins)["flax"] = calls
+    return np.asarray(logits, np.float32)
+
+
+def _quant_calls(twins: Twins) -> dict:
+    if not hasattr(twins, "quant_calls"):
+        twins.quant_calls = {}
+    return twins.quant_calls
 
 
 def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray] | None = None,
@@ -131,6 +159,11 @@ def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray
     def call(name: str) -> dict[str, torch.Tensor]:
         if name == "forward":
             return {"logits": model(tokens, mask)}
+        if name == "quant":
+            with flips.trace_torch(model) as calls:
+                logits = model(tokens, mask, quant=True)
+            _quant_calls(twins)["torch"] = calls
+            return {"quant_logits": logits}
         if name == "cells":
             return {"hidden_cells": model.hidden_cells(tokens)}
         if name in HEADS:
@@ -198,3 +231,34 @@ def torch_loss(twins: Twins, batch: Batch) -> torch.Tensor:
     logits = twins.torch_model(inputs.long())  # causal mask by default, as upstream's __call__
     nll = F.cross_entropy(logits.transpose(1, 2), labels.long(), reduction="none")  # (B, T-1)
     return (nll * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+# ----------------------------------------------------------------------------- rounding flips of the quant pass
+
+QUANT_PROBES = ("quant_logits",)
+
+
+def rounding_flips(twins: Twins, ref: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    """Walk both sides' quantiser calls of the quant pass (flips.compare). Where every differing code is a flip,
+    the quant probes of `test` take `ref`'s values at the affected positions, so the budget judges the rest of the
+    tensor unchanged; where one is not (or flips cover too much), `test` is left whole and the report fails."""
+    calls = getattr(twins, "quant_calls", {})
+    if "flax" not in calls or "torch" not in calls:
+        return None
+    found = flips.compare(calls["flax"], calls["torch"])
+    if found.ok and found.affected.any():
+        for name in QUANT_PROBES:
+            keep_ref = found.affected.reshape(*found.affected.shape, *[1] * (ref[name].ndim - 2))
+            test[name] = np.where(keep_ref, ref[name], test[name]).astype(test[name].dtype)
+
+    def event(e: flips.Event) -> dict[str, Any]:
+        return {"call": e.call, "site": e.site, "layer": e.layer, "row": e.row, "position": e.position,
+                "index": list(e.index), "codes": list(e.codes), "margins_ulp": list(e.margins)}
+
+    return {"ok": found.ok, "probes": list(QUANT_PROBES), "calls": found.calls, "count": len(found.flips),
+            "flips": [event(e) for e in found.flips], "divergences": len(found.divergences),
+            "first_divergences": [event(e) for e in found.divergences[:10]],
+            "affected_positions": int(found.affected.sum()), "positions": int(found.affected.size),
+            "affected": [[int(b), int(t)] for b, t in zip(*np.nonzero(found.affected), strict=True)],
+            "noise_ulp": found.noise, "flip_ulps": flips.FLIP_ULPS, "max_affected": flips.MAX_AFFECTED,
+            "summary": found.summary()}
