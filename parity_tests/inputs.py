@@ -1,7 +1,8 @@
 """Parity inputs every family shares: a batch of named token arrays, seeded padding, token files, id checks.
 
 Each family's `inputs` module builds its batches from these (Needle v1: an encoder `src` and a
-decoder `tgt`; Needle 2: one `tokens` array), right-padded with the config's pad id.
+decoder `tgt`); the decoder families (Needle 2 and 3: one `tokens` array) share `DecoderInputs`.
+Batches are right-padded with the config's pad id.
 """
 
 from __future__ import annotations
@@ -138,3 +139,46 @@ def read_token_file(path: str | Path, main: str, names: Sequence[str]) -> dict[s
             raise
         raise InputError(f"{path}: cannot read token ids ({e}); give a .npy, .npz or .json file") from None
     return found
+
+
+@dataclass(frozen=True)
+class DecoderInputs:
+    """A decoder family's batches: one `tokens` array (B, T) int32 starting with BOS, right-padded with the pad id.
+
+    first_plain: the first id that is no special or chat-marker id; chat: the family's convert chat module
+    (load_chat_tokenizer, prompt_ids, render_prompt)."""
+
+    bos_id: int
+    first_plain: int
+    chat: Any
+
+    def random_batch(self, config: Any, batch: int = 4, seq_len: int = 64, seed: int = 0,
+                     empty_rows: int = 0) -> Batch:
+        """BOS, then random ordinary ids (never special), varied right padding; `empty_rows` rows fully padded."""
+        check_sizes(batch=batch, seq_len=seq_len)
+        rng = np.random.default_rng(seed)
+        tokens = plain_ids(rng, (batch, seq_len), config.vocab_size, config.pad_token_id, self.first_plain)
+        tokens[:, 0] = self.bos_id
+        lengths = varied_lengths(rng, batch, seq_len, empty_rows)
+        return Batch({"tokens": pad_rows(tokens, lengths, config.pad_token_id)}, f"random (seed {seed})")
+
+    def load_token_file(self, path: str | Path, config: Any, seed: int = 0, seq_len: int = 0) -> Batch:
+        """Tokens from .npy (the array), .npz or .json ({"tokens": rows} or rows); rows may be ragged (right-padded
+        here). seq_len and seed are the file's own (accepted so every input source takes the same arguments)."""
+        found = read_token_file(path, "tokens", ("tokens",))
+        tokens = check_tokens(as_token_array(found["tokens"], "tokens", config.pad_token_id), config.vocab_size,
+                              "tokens")
+        return Batch({"tokens": tokens}, str(path))
+
+    def text_batch(self, tokenizer_path: str | Path, queries: Sequence[str], tools: str, config: Any,
+                   seed: int = 0, seq_len: int = 0) -> Batch:
+        """Upstream's chat prompts ([BOS] + the rendered system/tools/query turn) through a SentencePiece
+        tokenizer."""
+        if not queries:
+            raise InputError("--tokenizer needs at least one --query TEXT")
+        tokenizer = self.chat.load_chat_tokenizer(tokenizer_path, vocab_size=config.vocab_size)
+        rows = [self.chat.prompt_ids(tokenizer, self.chat.render_prompt(q, tools or None), config.max_seq_len)
+                for q in queries]
+        tokens = check_tokens(as_token_array(rows, "tokenized text", config.pad_token_id), config.vocab_size,
+                              "tokenized text")
+        return Batch({"tokens": tokens}, f"text via {tokenizer_path} ({len(rows)} queries)")

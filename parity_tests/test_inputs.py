@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -116,3 +118,25 @@ def test_bad_files(tmp_path):
     np.save(tmp_path / "r.npy", np.ones((2, 3, 4), np.int32))
     with pytest.raises(InputError, match="2-D"):
         load_token_file(tmp_path / "r.npy", CFG)
+
+
+@pytest.mark.parametrize("family", ["v2", "v3"])
+def test_decoder_text_batch_is_the_chat_rule_right_padded(family):
+    """--tokenizer/--query for Needle 2 and 3: each row is the family's prompt ids (chat tests check those against
+    the rendering rule), BOS first, right-padded with PAD to the longest row."""
+    chat = importlib.import_module(f"convert.{family}.chat")
+    config_module = importlib.import_module(f"convert.{family}.config")
+    inputs = importlib.import_module(f"parity_tests.{family}.inputs")
+    spm = {"v2": "tests/data/needle-v2-tiny.spm.model", "v3": "tests/data/v3/needle-v3-tiny.spm.model"}[family]
+    cfg = SimpleNamespace(vocab_size=512, pad_token_id=config_module.PAD_ID, max_seq_len=256)  # what text_batch reads
+    queries = ["What is the weather in Paris?", "Set a timer"]
+    batch = inputs.text_batch(spm, queries, "", cfg)
+    tok = chat.load_chat_tokenizer(spm, vocab_size=cfg.vocab_size)
+    rows = [chat.prompt_ids(tok, chat.render_prompt(q, None), cfg.max_seq_len) for q in queries]
+    tokens = batch.tokens
+    assert tokens.shape == (2, max(map(len, rows)))
+    for got, want in zip(tokens, rows, strict=True):
+        assert got[0] == config_module.BOS_ID and got[:len(want)].tolist() == want
+        assert (got[len(want):] == cfg.pad_token_id).all()
+    with pytest.raises(InputError, match="at least one --query"):
+        inputs.text_batch(spm, [], "", cfg)

@@ -1,57 +1,10 @@
-"""Needle 2 parity inputs: seeded random batches, token files, or chat prompts through a tokenizer.
-
-A batch is one `tokens` array (B, T) int32 starting with BOS, right-padded with the config's pad id.
-"""
+"""Needle 2 parity inputs: seeded random batches, token files, or chat prompts through a tokenizer."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+from convert.v2 import chat
+from convert.v2.config import BOS_ID, FIRST_PLAIN_ID
+from parity_tests.inputs import DecoderInputs
 
-import numpy as np
-
-from convert.v2.chat import load_chat_tokenizer, prompt_ids, render_prompt
-from convert.v2.config import BOS_ID, FIRST_PLAIN_ID, TransformerConfig
-from parity_tests.inputs import (
-    Batch,
-    InputError,
-    as_token_array,
-    check_sizes,
-    check_tokens,
-    pad_rows,
-    plain_ids,
-    read_token_file,
-    varied_lengths,
-)
-
-
-def random_batch(config: TransformerConfig, batch: int = 4, seq_len: int = 64, seed: int = 0,
-                 empty_rows: int = 0) -> Batch:
-    """BOS, then random ordinary ids (never special), varied right padding; `empty_rows` rows fully padded."""
-    check_sizes(batch=batch, seq_len=seq_len)
-    rng = np.random.default_rng(seed)
-    tokens = plain_ids(rng, (batch, seq_len), config.vocab_size, config.pad_token_id, FIRST_PLAIN_ID)
-    tokens[:, 0] = BOS_ID
-    lengths = varied_lengths(rng, batch, seq_len, empty_rows)
-    return Batch({"tokens": pad_rows(tokens, lengths, config.pad_token_id)}, f"random (seed {seed})")
-
-
-def load_token_file(path: str | Path, config: TransformerConfig, seed: int = 0, seq_len: int = 0) -> Batch:
-    """Tokens from .npy (the array), .npz or .json ({"tokens": rows} or rows); rows may be ragged (right-padded
-    here). seq_len and seed are the file's own (accepted so every input source takes the same arguments)."""
-    found = read_token_file(path, "tokens", ("tokens",))
-    tokens = check_tokens(as_token_array(found["tokens"], "tokens", config.pad_token_id), config.vocab_size,
-                          "tokens")
-    return Batch({"tokens": tokens}, str(path))
-
-
-def text_batch(tokenizer_path: str | Path, queries: Sequence[str], tools: str, config: TransformerConfig,
-               seed: int = 0, seq_len: int = 0) -> Batch:
-    """Upstream's chat prompts ([BOS] + the rendered system/tools/query turn) through a SentencePiece tokenizer."""
-    if not queries:
-        raise InputError("--tokenizer needs at least one --query TEXT")
-    tokenizer = load_chat_tokenizer(tokenizer_path, vocab_size=config.vocab_size)
-    rows = [prompt_ids(tokenizer, render_prompt(q, tools or None), config.max_seq_len) for q in queries]
-    tokens = check_tokens(as_token_array(rows, "tokenized text", config.pad_token_id), config.vocab_size,
-                          "tokenized text")
-    return Batch({"tokens": tokens}, f"text via {tokenizer_path} ({len(rows)} queries)")
+INPUTS = DecoderInputs(BOS_ID, FIRST_PLAIN_ID, chat)
+random_batch, load_token_file, text_batch = INPUTS.random_batch, INPUTS.load_token_file, INPUTS.text_batch
