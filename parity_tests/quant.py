@@ -167,3 +167,15 @@ def rescore_file(report_path: str, *, json_path: str | None = None, html_path: s
 
 __all__ = ["MAX_FOREIGN_GROUPS", "environment", "greedy_figures", "kld_stats", "logit_figures", "pinned_torch",
            "prompt_ends", "quant_device", "refuse_foreign_cact", "rescore_file", "sqnr_db", "state_error"]
+
+
+def torch_index(family: Any, config: Any) -> dict[str, tuple[str, int | None]]:
+    """torch state_dict name -> (Flax path, layer index or None), from the family's mapping rules."""
+    table = family.table(config)
+    out = {}
+    for rule in table.rules:
+        n = table.layers(rule)
+        for i in range(n) if n is not None else (None,):
+            out[rule.torch if i is None else rule.torch.format(i=i)] = (rule.flax, i)
+    return out
+

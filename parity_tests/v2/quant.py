@@ -71,6 +71,7 @@ from parity_tests.quant import (
     sqnr_db,
     state_error,
 )
+from parity_tests.quant import torch_index as family_torch_index
 from parity_tests.quant_report import (
     QuantReport,
     ReportError,
@@ -382,13 +383,7 @@ def tensor_table(float_params: Mapping[str, Any], quantized: Quantized, config: 
 
 def torch_index(config: TransformerConfig) -> dict[str, tuple[str, int | None]]:
     """torch state_dict name -> (Flax path, layer index or None), from the mapping rules."""
-    table = FAMILY.table(config)
-    out = {}
-    for rule in table.rules:
-        n = table.layers(rule)
-        for i in range(n) if n is not None else (None,):
-            out[rule.torch if i is None else rule.torch.format(i=i)] = (rule.flax, i)
-    return out
+    return family_torch_index(FAMILY, config)
 
 
 def unit_members(f_state: Mapping[str, np.ndarray], q_state: Mapping[str, np.ndarray], config: TransformerConfig

@@ -58,6 +58,7 @@ from parity_tests.quant import (
     sqnr_db,
     state_error,
 )
+from parity_tests.quant import torch_index as family_torch_index
 from parity_tests.quant_report import QuantReport, Thresholds, render_html, score, to_json
 
 DEFAULT_BATCH, DEFAULT_SEQ_LEN, DEFAULT_STEPS = 4, 32, 8
@@ -305,14 +306,8 @@ def _short(figs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def torch_index(config: TransformerConfig) -> dict[str, tuple[str, int | None]]:
-    """torch state_dict name -> (Flax path, layer index or None), from the family's mapping rules."""
-    table = FAMILY.table(config)
-    out = {}
-    for rule in table.rules:
-        n = table.layers(rule)
-        for i in range(n) if n is not None else (None,):
-            out[rule.torch if i is None else rule.torch.format(i=i)] = (rule.flax, i)
-    return out
+    """torch state_dict name -> (Flax path, layer index or None), from the mapping rules."""
+    return family_torch_index(FAMILY, config)
 
 
 def unit_of(path: str, layer: int | None) -> str | None:
