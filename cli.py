@@ -515,42 +515,28 @@ def quant_command(
     site and, with --depth, of each ladder rung. Exit code 0, or 1 when a --max-kld / --min-top1 threshold fails,
     2 on bad input."""
     from parity_tests.quant_report import render_terminal, verdict_text
-    from parity_tests.v2 import quant
 
-    if _checkpoint_family(float_ckpt) == "v3":
-        from parity_tests.v3 import quant as v3_quant
-
-        if dtype != "float32":
-            raise NeedleTwinError("Needle 3's quant report runs float32 only (its deploy numerics are float32); drop "
-                                  "--dtype")
-        report = v3_quant.quant(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len,
-                                seed=seed, steps=steps, depth=depth, lora=lora, json_path=json_path,
-                                html_path=html_path, force=force, max_kld=max_kld, min_top1=min_top1,
-                                kld_stat=kld_stat, device=device)
-        console = _report_console()
-        console.print(verdict_text(report)) if quiet else render_terminal(report, console)
-        raise typer.Exit(report.exit_code)
-    if depth is not None:
-        raise NeedleTwinError("--depth judges Needle 3 ladder rungs; this checkpoint is not Needle 3")
-    report = quant.quant(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed,
-                         steps=steps, lora=lora, json_path=json_path, html_path=html_path, force=force,
-                         max_kld=max_kld, min_top1=min_top1, kld_stat=kld_stat, device=device, dtype=dtype)
+    family = _checkpoint_family(float_ckpt)
+    run = family_hook(family, "commands", "quant")
+    if run is None:
+        having = " and ".join(f.title.split(" (")[0] for f in FAMILIES.values() if "quant" in f.commands)
+        raise NeedleTwinError(f"{float_ckpt} is a {family.title} checkpoint; quantization parity is for {having} "
+                              "(.cact / CQ): give one of theirs")
+    report = run(float_ckpt, cact=cact, bits=bits, inputs=inputs, batch=batch, seq_len=seq_len, seed=seed,
+                 steps=steps, depth=depth, lora=lora, json_path=json_path, html_path=html_path, force=force,
+                 max_kld=max_kld, min_top1=min_top1, kld_stat=kld_stat, device=device, dtype=dtype)
     console = _report_console()
-    if quiet:
-        console.print(verdict_text(report))
-    else:
-        render_terminal(report, console)
+    console.print(verdict_text(report)) if quiet else render_terminal(report, console)
     raise typer.Exit(report.exit_code)
 
 
-def _checkpoint_family(path: str) -> str | None:
-    """The family a checkpoint file names (None when it cannot be read: the command's own checks say why)."""
+def _checkpoint_family(path: str):
+    """The family a checkpoint file names; an unreadable file raises its own one-line error."""
     from convert.io import open_source, source_family
 
-    try:
-        return source_family(open_source(path)).name
-    except (NeedleTwinError, OSError, ValueError):
-        return None
+    if not Path(path).exists():
+        raise NeedleTwinError(f"FLOAT_CKPT {path}: no such file")
+    return source_family(open_source(path))
 
 
 # --- generate command ---

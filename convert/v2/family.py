@@ -22,6 +22,7 @@ FAMILY = Family(
     pickle_version=2,
     pickle_keys=("format_version", "params", "config", "step", "run"),
     parity_options=(CliOption("seq_len", int, "sequence length of the random batch", default=64),),
+    commands={"quant": "parity_tests.v2.quant:quant"},
     generate_options=(
         CliOption("system", str, "a system turn before the user turn, as upstream renders it"),
         CliOption("kv_window", int, "attention sees the last W positions (plus sinks); 0 = all, as upstream's "

@@ -42,6 +42,7 @@ FAMILY = Family(
                   default=0.0, min=0.0),
         CliOption("seed", int, "the sampling seed (with --temperature)"),
     ),
-    commands={"generate": "convert.v3.commands:generate", "embed": "convert.v3.commands:embed"},
+    commands={"generate": "convert.v3.commands:generate", "embed": "convert.v3.commands:embed",
+              "quant": "parity_tests.v3.quant:quant"},
     runners={"torch": "needle_torch.v3.runner:Runner", "flax": "needle_flax.v3.runner:Runner"},
 )

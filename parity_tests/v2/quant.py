@@ -593,10 +593,12 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
           batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN, seed: int = 0, steps: int = DEFAULT_STEPS,
           lora: str | None = None, json_path: str | None = None, html_path: str | None = None, force: bool = False,
           max_kld: float | None = None, min_top1: float | None = None, kld_stat: str = "mean", device: str = "cpu",
-          dtype: str = "float32") -> QuantReport:
+          dtype: str = "float32", depth: str | None = None) -> QuantReport:
     """`needle-twin quant FLOAT_CKPT (--cact FILE | --bits SPEC) ...`: check the arguments (no model is read
     before they pass), read the checkpoint, run, write the requested files; returns the judged report (exit
     code: report.exit_code, 1 when a threshold fails)."""
+    if depth is not None:
+        raise NeedleTwinError("--depth judges Needle 3 ladder rungs; this checkpoint is not Needle 3")
     if (cact is None) == (bits is None):
         raise NeedleTwinError("give exactly one of --cact FILE or --bits SPEC")
     if bits is not None:

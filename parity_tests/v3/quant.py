@@ -599,10 +599,13 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
           batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN, seed: int = 0, steps: int = DEFAULT_STEPS,
           depth: str | None = None, lora: str | None = None, json_path: str | None = None,
           html_path: str | None = None, force: bool = False, max_kld: float | None = None,
-          min_top1: float | None = None, kld_stat: str = "mean", device: str = "cpu", ckpt: Any = None
-          ) -> QuantReport:
+          min_top1: float | None = None, kld_stat: str = "mean", device: str = "cpu", ckpt: Any = None,
+          dtype: str = "float32") -> QuantReport:
     """`needle-twin quant CKPT [--cact FILE] [--depth all] ...` on a Needle 3 checkpoint (`ckpt`: already read).
     Every argument is checked before a model runs; nothing is written on an error."""
+    if dtype != "float32":
+        raise NeedleTwinError("Needle 3's quant report runs float32 only (its deploy numerics are float32); drop "
+                              "--dtype")
     thresholds = Thresholds(max_kld, min_top1, kld_stat)
     if cact is not None and bits is not None:
         raise NeedleTwinError("give --cact FILE or --bits WIDTH, not both: a .cact carries its own width")

@@ -232,14 +232,25 @@ def test_tokenizer_text_inputs(tmp_path):
 
 @pytest.mark.slow
 def test_embedded_default_runs_as_the_readme_says(tmp_path):
-    """The README's main command: no checkpoint, the seeded random published-size Needle 2 (with both heads)."""
+    """The README's main command: no checkpoint, Needle 3 at upstream's default config, seeded random weights."""
     out = tmp_path / "r.json"
-    r = run_cli("parity", "--json", out, "--no-grads", "--generate", "2", timeout=PROCESS_TIMEOUT)
+    r = run_cli("parity", "--json", out, "--no-grads", timeout=PROCESS_TIMEOUT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["num_params"] == 127_849_765 and report["passed"] is True  # upstream's count with the three heads
+    assert report["model"]["family"] == "v3"
+    assert report["model"]["seed"] == 0 and report["environment"]["seeds"] == {"inputs": 0, "model": 0}
+
+
+@pytest.mark.slow
+def test_embedded_v2_default_runs_with_family_v2(tmp_path):
+    """--family v2: the seeded random published-size Needle 2 (with both heads), generation compared too."""
+    out = tmp_path / "r.json"
+    r = run_cli("parity", "--family", "v2", "--json", out, "--no-grads", "--generate", "2", timeout=PROCESS_TIMEOUT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["num_params"] == 45_211_383 and report["passed"] is True  # the published count with both heads
     assert report["model"]["family"] == "v2"
-    assert report["model"]["seed"] == 0 and report["environment"]["seeds"] == {"inputs": 0, "model": 0}
     assert report["generation"]["steps_compared"] == 2
 
 
