@@ -9,6 +9,8 @@ block ends, also on an error. Each piece is registered once, in the family's `PI
 Every fast form computes the same function as the piece it replaces, up to the order of float32 sums.
 
 `generate(..., fast=True)` (the default) runs its request inside this block; `fast=False` runs the plain modules.
+Needle 3 swaps nothing: its fast module offers the compiled decoding step that `generate(..., compile=True)` takes
+through `forms(model)`.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
 from convert.v3.config import ENGRAM_TAPS, EOS_ID, PAD_ID
 from convert.v3.ladder import ladder_layer_ranks
+from needle_torch.fast.seam import forms
 from needle_torch.layers import apply_rope, make_causal_mask, repeat_kv
 from needle_torch.v2.generate import Streamer, _loop, _Sampler, pick
 from needle_torch.v2.lanes import fake_quant_act, rms_unit, sinkhorn
@@ -442,12 +443,7 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int 
     cache = new_cache(model, B, P + G, valid, kv_window, layers, sink, quant)
     prefill = decode_step(model, prompts, cache, 0, last_only=True)[:, 0]  # (B, V_out): chooses token 0
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
-    if compile:
-        from needle_torch.fast.v3 import compiled_step
-
-        step = compiled_step(model)
-    else:
-        step = decode_step
+    step = forms(model).compiled_step(model) if compile else decode_step
 
     def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):
         # token t - 1 goes in at position P + t - 1; its logits choose token t

@@ -160,7 +160,7 @@ def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray
         if name == "forward":
             return {"logits": model(tokens, mask)}
         if name == "quant":
-            with flips.trace_torch(model) as calls:
+            with flips.trace_torch(model, align=_quant_calls(twins).get("flax")) as calls:
                 logits = model(tokens, mask, quant=True)
             _quant_calls(twins)["torch"] = calls
             return {"quant_logits": logits}
@@ -239,17 +239,13 @@ QUANT_PROBES = ("quant_logits",)
 
 
 def rounding_flips(twins: Twins, ref: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> dict[str, Any] | None:
-    """Walk both sides' quantiser calls of the quant pass (flips.compare). Where every differing code is a flip,
-    the quant probes of `test` take `ref`'s values at the affected positions, so the budget judges the rest of the
-    tensor unchanged; where one is not (or flips cover too much), `test` is left whole and the report fails."""
+    """Walk both sides' quantiser calls of the quant pass (flips.compare). The torch pass ran aligned to the Flax
+    calls (each flip took Flax's code), so the budget judges the whole quant probes unchanged; a code that differs
+    any other way is a divergence and fails the report."""
     calls = getattr(twins, "quant_calls", {})
     if "flax" not in calls or "torch" not in calls:
         return None
-    found = flips.compare(calls["flax"], calls["torch"])
-    if found.ok and found.affected.any():
-        for name in QUANT_PROBES:
-            keep_ref = found.affected.reshape(*found.affected.shape, *[1] * (ref[name].ndim - 2))
-            test[name] = np.where(keep_ref, ref[name], test[name]).astype(test[name].dtype)
+    found = flips.compare(calls["flax"], calls["torch"], aligned=True)
 
     def event(e: flips.Event) -> dict[str, Any]:
         return {"call": e.call, "site": e.site, "layer": e.layer, "row": e.row, "position": e.position,
@@ -261,4 +257,5 @@ def rounding_flips(twins: Twins, ref: dict[str, np.ndarray], test: dict[str, np.
             "affected_positions": int(found.affected.sum()), "positions": int(found.affected.size),
             "affected": [[int(b), int(t)] for b, t in zip(*np.nonzero(found.affected), strict=True)],
             "noise_ulp": found.noise, "flip_ulps": flips.FLIP_ULPS, "max_affected": flips.MAX_AFFECTED,
+            "aligned": found.aligned,
             "summary": found.summary()}

@@ -170,9 +170,10 @@ def _placed(calls: list, at: int, row: int, position: int, element: int, value: 
             module.fake_quant_act = recorder
 
 
-def _quant_run(model, tokens, place=None):
-    """(quant=True logits, the traced calls); place=(at, row, position, element, value) puts value into one call."""
-    with torch.no_grad(), flips.trace_torch(model) as calls:
+def _quant_run(model, tokens, place=None, align=None):
+    """(quant=True logits, the traced calls); place=(at, row, position, element, value) puts value into one call;
+    align: the reference's calls (trace_torch's)."""
+    with torch.no_grad(), flips.trace_torch(model, align=align) as calls:
         with _placed(calls, *place) if place else contextlib.nullcontext():
             logits = model(tokens, quant=True)
     return logits.numpy(), calls
@@ -221,6 +222,46 @@ def test_a_value_placed_on_a_boundary_is_reported_as_one_flip_and_passes(tiny):
     assert np.array_equal(report.affected, expected)
     assert rel(got, ref) > 10 * F32_REL  # the flip is visible in the logits ...
     assert masked_rel(got, ref, report.affected) <= F32_REL  # ... and only where it reached
+
+
+def test_an_aligned_run_takes_the_flip_and_is_judged_at_every_position(tiny):
+    """The same placed flip, traced with align=the reference's calls (as the parity engine's quant pass runs): the
+    flip is reported, nothing is set aside, and the logits agree with the reference at the float32 budget
+    everywhere, the flipped row included."""
+    model, tokens = tiny
+    _, calls = _quant_run(model, tokens)
+    at = next(i for i, c in enumerate(calls) if c.site == "stack.layers.0.block.self_attn:act")
+    row, position = 1, 4
+    x_row = calls[at].x[row, position]
+    element = int(np.argsort(np.abs(x_row))[len(x_row) // 2])
+    below, above = _straddle(x_row, element)
+    ref, ref_calls = _quant_run(model, tokens, (at, row, position, element, below))
+    unaligned, _ = _quant_run(model, tokens, (at, row, position, element, above))
+    got, got_calls = _quant_run(model, tokens, (at, row, position, element, above), align=ref_calls)
+
+    report = compare(ref_calls, got_calls, aligned=True)
+    assert report.ok and report.aligned, report.summary()
+    (flip,) = report.flips
+    assert (flip.call, flip.row, flip.position, flip.index[-1]) == (at, row, position, element)
+    assert not report.affected.any()
+    assert rel(unaligned, ref) > 10 * F32_REL  # unaligned, the flip reaches the logits ...
+    assert rel(got, ref) <= F32_REL  # ... aligned, every position holds the float32 budget
+
+
+def test_an_aligned_run_still_fails_a_perturbed_weight(tiny):
+    """Alignment only takes codes within FLIP_ULPS of a boundary: the ±1e-3 q_proj perturbation below stays a
+    divergence and its logits still fail."""
+    model, tokens = tiny
+    ref, ref_calls = _quant_run(model, tokens)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    w = state["stack.layers.1.block.self_attn.q_proj.weight"]
+    w *= 1 + 1e-3 * torch.as_tensor(np.random.default_rng(0).choice([-1.0, 1.0], w.shape), dtype=w.dtype)
+    bad = SimpleAttentionNetwork(TINY, groups=())
+    bad.load_state_dict(state)
+    got, got_calls = _quant_run(bad.eval(), tokens, align=ref_calls)
+    report = compare(ref_calls, got_calls, aligned=True)
+    assert not report.ok and report.divergences[0].layer == 1, report.summary()
+    assert rel(got, ref) > F32_REL
 
 
 def test_a_weight_perturbed_beyond_float32_noise_still_fails(tiny):
