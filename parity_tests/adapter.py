@@ -115,8 +115,8 @@ class Adapter(ABC):
 
     def rounding_flips(self, twins, ref: dict, test: dict) -> dict | None:
         """Rounding flips at the activation quantisers of the quant pass (parity_tests/flips.py), for families whose
-        runs trace them: the report's `flips` section, with the quant pass's probes in `test` given the reference's
-        values at the affected positions (judged outside them). None: no quant pass traced."""
+        runs trace them: the report's `flips` section (the torch pass ran aligned to the reference's codes at each
+        flip, so `test` is judged whole). None: no quant pass traced."""
         return None
 
     def lora_gradients(self, twins, batch, adapter: Any) -> Any:

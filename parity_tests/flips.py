@@ -20,8 +20,9 @@ code as it happens, so the torch forward goes on from the reference's rounding; 
 reports the flips without growing A and the outputs are judged at every position. A deep model needs this: 20
 layers of A8 calls on a 4 × 64 batch flip a dozen values, early enough to reach almost every position.
 
-The comparison works on numpy arrays; `trace_torch` and `trace_flax` record the calls of the Needle 3 twins
-without touching their files, by patching the quantiser each model module calls.
+The comparison works on numpy arrays; `trace_torch` and `trace_flax` record the calls of the Needle 2 and
+Needle 3 twins without touching their files, by patching the quantiser each family's modules call
+(`TORCH_QUANTISERS`, `FLAX_QUANTISERS`). `rounding_flips` is the parity engine's quant-pass check for both.
 
 Shapes: B batch, T length, D the quantised (last) axis; a call's input is (B, ..., T, D): rows on axis 0,
 positions on axis -2 (every activation quantiser of the twins: (B, T, D) and per-head (B, H, T, h)).
@@ -33,16 +34,26 @@ import contextlib
 import dataclasses
 import re
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
+from needle_flax.v2 import lanes as flax_lanes
 from needle_flax.v3 import model as flax_model
 from needle_flax.v3 import quant as flax_quant
+from needle_torch.v2 import lanes as torch_lanes
 from needle_torch.v3 import model as torch_model
 from needle_torch.v3 import quant as torch_quant
+
+# Where each family's modules look up their activation quantiser: (module, attribute, site kind). Needle 2's
+# `aq` calls lanes.fake_quant_act; Needle 3's modules hold their own bindings (q, k and v quantised per head).
+TORCH_QUANTISERS = {"v2": ((torch_lanes, "fake_quant_act", "act"),),
+                    "v3": ((torch_model, "fake_quant_act", "act"), (torch_quant, "fake_quant_act", "qkv"))}
+FLAX_QUANTISERS = {"v2": ((flax_lanes, "fake_quant_act", "act"),),
+                   "v3": ((flax_model, "_fake_quant", "act"), (flax_quant, "_fake_quant", "qkv"))}
 
 # Margins are counted in units of the float32 spacing of x / scale at the top of the code range (ulp(qmax): 2^-17
 # of a step for A8), not of the element itself: the quantisers' inputs are sums over the row (matmuls, norms), so
@@ -219,13 +230,11 @@ def masked_rel(got: np.ndarray, ref: np.ndarray, affected: np.ndarray) -> float:
 
 @contextlib.contextmanager
 def trace_torch(model, align: Sequence[Call] | None = None) -> Iterator[list[Call]]:
-    """Record every activation quantiser call (A8 activations, per-head q and A8 k/v) of the Needle 3 torch twin
-    `model` inside the block; each call named by the innermost module running it. The model files are untouched:
-    the `fake_quant_act` that needle_torch.v3.model and needle_torch.v3.quant imported is swapped for a recorder.
+    """Record every activation quantiser call of the torch twin `model` (Needle 2: A8 activations; Needle 3: also
+    per-head q and A8 k/v) inside the block; each call named by the innermost module running it. The model files
+    are untouched: the quantiser their modules look up (TORCH_QUANTISERS) is swapped for a recorder.
     align: the reference's calls of the same forward; each call's flips (`flipped`) take the reference's codes
     (recorded as the twin computed them, returned as the reference rounded)."""
-    model_module, quant_module = torch_model, torch_quant
-
     calls: list[Call] = []
     stack: list[str] = []
     hooks = []
@@ -237,8 +246,8 @@ def trace_torch(model, align: Sequence[Call] | None = None) -> Iterator[list[Cal
         hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
         hooks.append(module.register_forward_hook(leave))
     patched = []
-    for module, kind in ((model_module, "act"), (quant_module, "qkv")):
-        real = module.fake_quant_act
+    for module, attr, kind in TORCH_QUANTISERS[model.family]:
+        real = getattr(module, attr)
 
         def recorder(x, bits=8, real=real, kind=kind):
             where = stack[-1] if stack else ""
@@ -254,48 +263,83 @@ def trace_torch(model, align: Sequence[Call] | None = None) -> Iterator[list[Cal
             calls.append(call)
             return out
 
-        module.fake_quant_act = recorder
-        patched.append((module, real))
+        setattr(module, attr, recorder)
+        patched.append((module, attr, real))
     try:
         yield calls
     finally:
-        for module, real in patched:
-            module.fake_quant_act = real
+        for module, attr, real in patched:
+            setattr(module, attr, real)
         for h in hooks:
             h.remove()
 
 
 @contextlib.contextmanager
-def trace_flax() -> Iterator[list[Call]]:
-    """Record every activation quantiser call of the Needle 3 Flax twin traced inside the block: the `_fake_quant`
-    that needle_flax.v3.model and needle_flax.v3.quant call is wrapped in an ordered `jax.debug.callback`, which
-    runs in program order inside the layer scan and jit. Trace a fresh function inside the block (a jit cached
-    from before has no callbacks); the list is complete once the outputs are ready (`jax.effects_barrier`).
-    Sites are "act" or "qkv" only: inside the scan the layer is not known in Python (`compare` takes the torch
-    side's names)."""
-    model_module, quant_module = flax_model, flax_quant
-
+def trace_flax(family: str = "v3") -> Iterator[list[Call]]:
+    """Record every activation quantiser call of the Flax twin of `family` traced inside the block: the quantiser
+    its modules look up (FLAX_QUANTISERS) is wrapped in an ordered `jax.debug.callback`, which runs in program
+    order inside the layer scan, conds and jit. Trace a fresh function inside the block (a jit cached from before
+    has no callbacks); the list is complete once the outputs are ready (`jax.effects_barrier`). Sites are "act" or
+    "qkv" only: inside the scan the layer is not known in Python (`compare` takes the torch side's names)."""
     calls: list[Call] = []
     patched = []
-    for module, kind in ((model_module, "act"), (quant_module, "qkv")):
-        real = module._fake_quant
+    for module, attr, kind in FLAX_QUANTISERS[family]:
+        real = getattr(module, attr)
 
-        def recorder(x, bits, real=real, kind=kind):
+        def recorder(x, bits=8, real=real, kind=kind):
             out = real(x, bits)
             jax.debug.callback(lambda a, q, bits=bits, kind=kind: calls.append(
                 Call(np.asarray(a), np.asarray(q), bits, kind)), x.astype(jnp.float32), out.astype(jnp.float32),
                 ordered=True)
             return out
 
-        module._fake_quant = recorder
-        patched.append((module, real))
+        setattr(module, attr, recorder)
+        patched.append((module, attr, real))
     try:
         yield calls
     finally:
         jax.effects_barrier()
-        for module, real in patched:
-            module._fake_quant = real
+        for module, attr, real in patched:
+            setattr(module, attr, real)
 
 
-__all__ = ["FLIP_ULPS", "MAX_AFFECTED", "Call", "Event", "FlipReport", "codes_and_margin", "compare", "flipped",
-           "masked_rel", "trace_flax", "trace_torch"]
+# ----------------------------------------------------------------------------- the parity engine's quant pass
+
+QUANT_PROBES = ("quant_logits",)
+
+
+def record(twins, side: str, calls: list[Call]) -> None:
+    """Keep one side's ("flax", "torch") quant-pass calls on the twins for `rounding_flips`."""
+    twins.quant_calls = {**getattr(twins, "quant_calls", {}), side: calls}
+
+
+def reference_calls(twins) -> list[Call] | None:
+    """The Flax side's quant-pass calls, recorded before the torch pass runs (its `align`)."""
+    return getattr(twins, "quant_calls", {}).get("flax")
+
+
+def rounding_flips(twins, ref: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    """The report's `flips` section: both sides' quantiser calls of the quant pass walked (compare). The torch pass
+    ran aligned to the Flax calls (each flip took Flax's code), so the budget judges the whole quant probes
+    unchanged; a code that differs any other way is a divergence and fails the report. None: no pass traced."""
+    calls = getattr(twins, "quant_calls", {})
+    if "flax" not in calls or "torch" not in calls:
+        return None
+    found = compare(calls["flax"], calls["torch"], aligned=True)
+
+    def event(e: Event) -> dict[str, Any]:
+        return {"call": e.call, "site": e.site, "layer": e.layer, "row": e.row, "position": e.position,
+                "index": list(e.index), "codes": list(e.codes), "margins_ulp": list(e.margins)}
+
+    return {"ok": found.ok, "probes": list(QUANT_PROBES), "calls": found.calls, "count": len(found.flips),
+            "flips": [event(e) for e in found.flips], "divergences": len(found.divergences),
+            "first_divergences": [event(e) for e in found.divergences[:10]],
+            "affected_positions": int(found.affected.sum()), "positions": int(found.affected.size),
+            "affected": [[int(b), int(t)] for b, t in zip(*np.nonzero(found.affected), strict=True)],
+            "noise_ulp": found.noise, "flip_ulps": FLIP_ULPS, "max_affected": MAX_AFFECTED,
+            "aligned": found.aligned, "summary": found.summary()}
+
+
+__all__ = ["FLAX_QUANTISERS", "FLIP_ULPS", "MAX_AFFECTED", "QUANT_PROBES", "TORCH_QUANTISERS", "Call", "Event",
+           "FlipReport", "codes_and_margin", "compare", "flipped", "masked_rel", "record", "reference_calls",
+           "rounding_flips", "trace_flax", "trace_torch"]

@@ -16,6 +16,7 @@ from convert.io import read_checkpoint
 from convert.mapping import random_flax_params
 from convert.v2.config import TransformerConfig
 from convert.v2.lora import read_upstream_adapter
+from parity_tests import flips
 from parity_tests.engine import pinned_precision, run_parity
 from parity_tests.fixtures import V2_LORA, V2_NPZ, V2_PKL
 from parity_tests.inputs import Batch
@@ -24,7 +25,6 @@ from parity_tests.twins import build_twins
 from parity_tests.v2 import runs
 from parity_tests.v2.adapter import ADAPTER
 from parity_tests.v2.inputs import random_batch
-from parity_tests.v2.probes import ALL_PASSES
 
 F32_PROMISE = 1e-5  # README: float32 twins agree to 1e-5 relative, probe by probe
 
@@ -137,8 +137,8 @@ def test_corruption_is_localised(ckpt, fixture_batch, case):
     layer = first.split(".")[1]
     failing = {p.name for p in isolated.probes if not p.passed}
     # Isolated mode feeds every later layer the Flax lanes: only this layer's probes (and the passes that reread
-    # the corrupted layer: cells and heads) fail.
-    assert all(n.startswith(f"layers.{layer}.") or n in ("hidden_cells", "contrastive", "confidence")
+    # the corrupted layer: quant, cells and heads) fail.
+    assert all(n.startswith(f"layers.{layer}.") or n in ("quant_logits", "hidden_cells", "contrastive", "confidence")
                for n in failing), failing
 
 
@@ -181,12 +181,16 @@ def test_a_wrong_adapter_on_the_torch_side_fails_lora_gradient_parity(ckpt, fixt
 
 
 def test_quant_pass_twins_agree_on_the_fixture(ckpt, fixture_batch):
-    # The opt-in 8-bit activation fake-quant pass. A 1-ulp difference can flip a rounding code where x / scale sits
-    # on a half; the fixture's inputs hit none (measured 7.0e-7), so the float32 promise holds here as it stands.
+    """The 8-bit activation fake-quant pass, traced: every quantiser call of both twins walked, the float32 promise
+    held on the whole quant logits (flips, if any, aligned), and the pass really quantizes."""
     twins = build_twins(ADAPTER, ckpt.config, ckpt.params, "float32", None, "cpu", "cpu")
     with pinned_precision(True):
-        ref = runs.flax_probes(twins, fixture_batch, ALL_PASSES)
-        test = runs.torch_probes(twins, fixture_batch, None, ALL_PASSES)
+        ref = runs.flax_probes(twins, fixture_batch)
+        test = runs.torch_probes(twins, fixture_batch, None)
+    found = flips.rounding_flips(twins, ref, test)
+    assert found["ok"] and found["divergences"] == 0 and found["aligned"], found["summary"]
+    # attention input and output per layer, one per engram site, the logits' input
+    assert found["calls"] == 2 * ckpt.config.num_layers + len(ckpt.config.engram_layers) + 1
     assert {"quant_logits", "logits"} <= set(ref) and set(ref) == set(test)
     assert max_rel(test["quant_logits"], ref["quant_logits"]) <= F32_PROMISE
     # and the pass really quantizes: its logits are not the float ones

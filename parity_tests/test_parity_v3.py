@@ -21,13 +21,13 @@ from cli import app
 from convert.io import read_checkpoint
 from convert.mapping import flax_to_torch_numpy
 from convert.v3.lora import read_adapter
+from parity_tests import flips
 from parity_tests.engine import pinned_precision, run_parity
 from parity_tests.flips import Call
 from parity_tests.metrics import max_rel_of
 from parity_tests.report import _judged_gradients
 from parity_tests.tolerances import get_profile
 from parity_tests.twins import build_twins
-from parity_tests.v3 import runs
 from parity_tests.v3.adapter import ADAPTER
 from parity_tests.v3.inputs import random_batch
 
@@ -182,7 +182,7 @@ def test_lora_gradients_per_target_and_a_wrong_b_fails(monkeypatch, tiny):
 
 
 def test_a_flip_in_the_quant_pass_is_reported_and_the_logits_judged_whole():
-    """runs.rounding_flips on recorded calls: one code a step apart on a boundary (row 1, position 4) is a flip,
+    """flips.rounding_flips on recorded calls: one code a step apart on a boundary (row 1, position 4) is a flip,
     reported; the torch pass ran aligned to the Flax codes, so no position is set aside and the logits stay as
     computed for the budget to judge."""
     x = np.full((2, 8, 4), 0.25, np.float32)
@@ -197,7 +197,7 @@ def test_a_flip_in_the_quant_pass_is_reported_and_the_logits_judged_whole():
     twins = SimpleNamespace(quant_calls={"flax": [call(ref_x)], "torch": [call(got_x)]})
     ref = {"quant_logits": np.zeros((2, 8, 3), np.float32)}
     test = {"quant_logits": np.ones((2, 8, 3), np.float32)}
-    found = runs.rounding_flips(twins, ref, test)
+    found = flips.rounding_flips(twins, ref, test)
     assert found["ok"] and found["aligned"] and found["count"] == 1 and found["divergences"] == 0
     (flip,) = found["flips"]
     assert (flip["layer"], flip["row"], flip["position"], flip["codes"]) == (0, 1, 4, [6, 7])
@@ -205,7 +205,7 @@ def test_a_flip_in_the_quant_pass_is_reported_and_the_logits_judged_whole():
     assert (test["quant_logits"] == 1).all()
     # Two steps apart is no flip: the report fails.
     got_x[1, 4, 2] = 8.5
-    found = runs.rounding_flips(SimpleNamespace(quant_calls={"flax": [call(ref_x)], "torch": [call(got_x)]}), ref,
+    found = flips.rounding_flips(SimpleNamespace(quant_calls={"flax": [call(ref_x)], "torch": [call(got_x)]}), ref,
                                 test)
     assert not found["ok"] and found["divergences"] == 1
 

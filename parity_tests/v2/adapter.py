@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from convert.v2.family import FAMILY
 from needle_flax.v2 import SimpleAttentionNetwork as FlaxModel
+from parity_tests import flips
 from parity_tests.adapter import Adapter
 from parity_tests.v2 import inputs, runs
 from parity_tests.v2.generate_command import generate
@@ -29,6 +30,7 @@ class V2Adapter(Adapter):
     lora_gradients = staticmethod(lora_gradient_parity)
     prepare = staticmethod(runs.prepare)
     generate = staticmethod(generate)
+    rounding_flips = staticmethod(flips.rounding_flips)
 
 
 ADAPTER = V2Adapter()

@@ -31,7 +31,7 @@ from needle_torch import layers as torch_layers
 from needle_torch.v2 import SimpleAttentionNetwork as TorchModel
 from needle_torch.v2.generate import generate as torch_generate
 from needle_torch.v2.generate import generate_recompute as torch_recompute
-from parity_tests import probes
+from parity_tests import flips, probes
 from parity_tests.generation import generation_config, generation_parity
 from parity_tests.inputs import Batch
 from parity_tests.twins import Twins
@@ -57,6 +57,8 @@ def groups(twins: Twins) -> tuple[str, ...]:
 
 
 def table(twins: Twins, passes=DEFAULT_PASSES) -> list[probes.Probe]:
+    if twins.config.dtype != "float32":  # the flip margins are float32 noise; a half-precision run has no quant pass
+        passes = tuple(p for p in passes if p != "quant")
     return probe_table(twins.config, groups(twins), passes)
 
 
@@ -93,11 +95,30 @@ def _passes(twins: Twins, table: list[probes.Probe]) -> tuple[str, ...]:
 
 
 def flax_probes(twins: Twins, batch: Batch, passes=DEFAULT_PASSES) -> dict[str, np.ndarray]:
-    """Every probe of the Flax twin, one jitted function over the passes."""
+    """Every probe of the Flax twin, one jitted function over the passes; the quant pass apart, traced."""
     probe_list = table(twins, passes)
-    run = _flax_passes(twins.config, _passes(twins, probe_list), "mtp" in groups(twins))
-    collections = jax.device_get(run(twins.flax_params, twins.to_jax(batch.tokens)))
+    plain = tuple(p for p in _passes(twins, probe_list) if p != "quant")
+    run = _flax_passes(twins.config, plain, "mtp" in groups(twins))
+    tokens = twins.to_jax(batch.tokens)
+    collections = jax.device_get(run(twins.flax_params, tokens))
+    if "quant" in _passes(twins, probe_list):
+        collections["quant"] = _flax_quant(twins, tokens)
     return probes.flax_probes(probe_list, collections)
+
+
+def _flax_quant(twins: Twins, tokens) -> dict:
+    """The quant pass's sown probes, the quantiser calls recorded for flips.rounding_flips. A fresh jit inside the
+    trace (a cached one has no callbacks)."""
+    model, pad, mutable = FlaxModel(twins.config), twins.config.pad_token_id, [flax_layers.PROBES]
+
+    def run(params, tokens):
+        mask = flax_layers.make_attention_mask(tokens, pad)
+        return model.apply({"params": params}, tokens, mask, True, False, mutable=mutable)[1][flax_layers.PROBES]
+
+    with flips.trace_flax("v2") as calls:
+        collection = jax.device_get(jax.jit(run)(twins.flax_params, tokens))
+    flips.record(twins, "flax", calls)
+    return collection
 
 
 def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray] | None = None,
@@ -107,7 +128,7 @@ def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray
     tokens = torch.from_numpy(batch.tokens).long().to(twins.torch_device)
     mask = torch_layers.make_attention_mask(tokens, twins.config.pad_token_id)
     mtp = "mtp" in groups(twins)
-    calls = {"forward": lambda: model(tokens, mask, False, mtp), "quant": lambda: model(tokens, mask, True),
+    calls = {"forward": lambda: model(tokens, mask, False, mtp), "quant": lambda: _torch_quant(twins, tokens, mask),
              "cells": lambda: model.hidden_cells(tokens), "contrastive": lambda: model.encode_contrastive(tokens),
              "confidence": lambda: model.forward_confidence(tokens)}
     out: dict[str, np.ndarray] = {}
@@ -122,6 +143,14 @@ def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray
             if name == "cells":
                 out["hidden_cells"] = value.float().cpu().numpy()
     return out
+
+
+def _torch_quant(twins: Twins, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The quant pass, aligned to the Flax side's codes at each rounding flip (flips.trace_torch)."""
+    with flips.trace_torch(twins.torch_model, align=flips.reference_calls(twins)) as calls:
+        logits = twins.torch_model(tokens, mask, True)
+    flips.record(twins, "torch", calls)
+    return logits
 
 
 # ----------------------------------------------------------------------------- loss

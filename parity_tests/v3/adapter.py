@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from convert.v3.family import FAMILY
 from needle_flax.v3 import SimpleAttentionNetwork as FlaxModel
+from parity_tests import flips
 from parity_tests.adapter import Adapter
 from parity_tests.v3 import inputs, runs
 from parity_tests.v3.lora import lora_gradient_parity
@@ -26,7 +27,7 @@ class V3Adapter(Adapter):
     text_batch = staticmethod(inputs.text_batch)
     depths = staticmethod(runs.parse_depth)
     lora_gradients = staticmethod(lora_gradient_parity)
-    rounding_flips = staticmethod(runs.rounding_flips)
+    rounding_flips = staticmethod(flips.rounding_flips)
 
 
 ADAPTER = V3Adapter()

@@ -22,8 +22,9 @@ from parity_tests.probes import Probe
 LAYER = ("stack", "layers")
 BLOCK = ("stack", "layers", "block")
 HEADS = {"embedding": "embedding_head", "confidence": "confidence_head", "router": "router_head"}  # pass: group
-# "quant": __call__ with quant=True (upstream's deploy fake-quant), float32 runs only: its logits are judged outside
-# the positions a rounding flip at an A8 quantiser affected (parity_tests/flips.py; the report's `flips`).
+# "quant": __call__ with quant=True (upstream's deploy fake-quant), float32 runs only: the torch pass takes the Flax
+# code at each rounding flip of an A8 quantiser (parity_tests/flips.py; the report's `flips`), so its logits are
+# judged whole.
 DEFAULT_PASSES = ("forward", "quant", "cells", *HEADS)
 RUNG_OUTPUTS = ("exit_logits", "sub_logits", "sliced_logits")
 ATTN = ("self_attn",)

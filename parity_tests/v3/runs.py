@@ -137,16 +137,10 @@ def _flax_quant(twins: Twins, tokens) -> np.ndarray:
     def run(params, tokens):
         return model.apply({"params": params}, tokens, flax_layers.make_attention_mask(tokens, pad), quant=True)
 
-    with flips.trace_flax() as calls:
+    with flips.trace_flax("v3") as calls:
         logits = jax.device_get(jax.jit(run)(twins.flax_params, tokens))
-    _quant_calls(twins)["flax"] = calls
+    flips.record(twins, "flax", calls)
     return np.asarray(logits, np.float32)
-
-
-def _quant_calls(twins: Twins) -> dict:
-    if not hasattr(twins, "quant_calls"):
-        twins.quant_calls = {}
-    return twins.quant_calls
 
 
 def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray] | None = None,
@@ -160,9 +154,9 @@ def torch_probes(twins: Twins, batch: Batch, substitute: Mapping[str, np.ndarray
         if name == "forward":
             return {"logits": model(tokens, mask)}
         if name == "quant":
-            with flips.trace_torch(model, align=_quant_calls(twins).get("flax")) as calls:
+            with flips.trace_torch(model, align=flips.reference_calls(twins)) as calls:
                 logits = model(tokens, mask, quant=True)
-            _quant_calls(twins)["torch"] = calls
+            flips.record(twins, "torch", calls)
             return {"quant_logits": logits}
         if name == "cells":
             return {"hidden_cells": model.hidden_cells(tokens)}
@@ -231,31 +225,3 @@ def torch_loss(twins: Twins, batch: Batch) -> torch.Tensor:
     logits = twins.torch_model(inputs.long())  # causal mask by default, as upstream's __call__
     nll = F.cross_entropy(logits.transpose(1, 2), labels.long(), reduction="none")  # (B, T-1)
     return (nll * weights).sum() / weights.sum().clamp(min=1.0)
-
-
-# ----------------------------------------------------------------------------- rounding flips of the quant pass
-
-QUANT_PROBES = ("quant_logits",)
-
-
-def rounding_flips(twins: Twins, ref: dict[str, np.ndarray], test: dict[str, np.ndarray]) -> dict[str, Any] | None:
-    """Walk both sides' quantiser calls of the quant pass (flips.compare). The torch pass ran aligned to the Flax
-    calls (each flip took Flax's code), so the budget judges the whole quant probes unchanged; a code that differs
-    any other way is a divergence and fails the report."""
-    calls = getattr(twins, "quant_calls", {})
-    if "flax" not in calls or "torch" not in calls:
-        return None
-    found = flips.compare(calls["flax"], calls["torch"], aligned=True)
-
-    def event(e: flips.Event) -> dict[str, Any]:
-        return {"call": e.call, "site": e.site, "layer": e.layer, "row": e.row, "position": e.position,
-                "index": list(e.index), "codes": list(e.codes), "margins_ulp": list(e.margins)}
-
-    return {"ok": found.ok, "probes": list(QUANT_PROBES), "calls": found.calls, "count": len(found.flips),
-            "flips": [event(e) for e in found.flips], "divergences": len(found.divergences),
-            "first_divergences": [event(e) for e in found.divergences[:10]],
-            "affected_positions": int(found.affected.sum()), "positions": int(found.affected.size),
-            "affected": [[int(b), int(t)] for b, t in zip(*np.nonzero(found.affected), strict=True)],
-            "noise_ulp": found.noise, "flip_ulps": flips.FLIP_ULPS, "max_affected": flips.MAX_AFFECTED,
-            "aligned": found.aligned,
-            "summary": found.summary()}
