@@ -12,8 +12,8 @@ benchmarks/bench_torch_v2.AVX2_ENV) and each request a piece serves, one process
 as end-to-end seconds, best of --repeats after a first (compiling) call. The bf16 batch-1 request also gives decode
 tokens/s against the memory bound measured in the same process (bytes a step reads at the copy bandwidth into a
 preallocated buffer). A piece pays when, on every kind, fast is >= 1.3x plain and >= 1.3x without.
-Writes benchmarks/results/fast-pieces-<UTC time>.json (rows for benchmarks/table.py) and
-benchmarks/decisions/fast-pieces-<UTC time>.json (each piece's figures and verdict).
+Writes benchmarks/results/<--out>.json (rows for benchmarks/table.py) and
+benchmarks/decisions/<--out>.json (each piece's figures and verdict).
 """
 
 from __future__ import annotations

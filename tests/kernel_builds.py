@@ -1,4 +1,4 @@
-"""A kernel module of needle_torch (cpu_attention, cpu_decode, cpu_hadamard, cpu_prefill, cpu_sinkhorn)
+"""A kernel module of needle_torch.fast (cpu_decode)
 made to fail its build or to record it, for the tests of the build-once-or-warn rule (kernels.build_once) and of when
 a module builds at all."""
 

@@ -42,8 +42,7 @@ ONE_SIDED = {
     ("v2", "engram.py"): ((), ("MASK32",)),  # torch has no uint32: the hash wraps through a mask
     ("v2", "generate.py"): (
         ("new_cache", "decode_step"),  # the torch twin's are methods of SimpleAttentionNetwork
-        ("STEP_OPTIONS", "options",  # inductor's settings for the compiled passes
-         "prefill_in_chunks", "compile_choice"),  # the torch loop's compile choice and chunked prefill
+        ("prefill_in_chunks", "compile_choice"),  # the torch loop's compile choice and chunked prefill
     ),
 }
 

@@ -141,7 +141,7 @@ def upcasts(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def product_path(dtype: torch.dtype) -> int:
-    """How the C++ kernels' bf16 products run here (cpu_decode's Fused.dp, cpu_prefill's dp): 0 float32
+    """How the C++ kernels' bf16 products run here (cpu_decode's Fused.dp): 0 float32
     multiply-adds on upcast loads, 1 the CPU's AVX512-BF16 dot products, 2 AMX tiles too. The dot products need the
     CPU's own units, whatever NEEDLE_TWIN_BF16 forces."""
     path = bf16_path()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from needle_torch.fast import cpu_attention, cpu_decode, cpu_hadamard, cpu_prefill, cpu_sinkhorn, kernels
+from needle_torch.fast import cpu_decode, kernels
 from needle_torch.fast.kernels import (
     as_reduction,
     compiling_for_cpu,
@@ -29,31 +29,21 @@ from needle_torch.fast.kernels import (
     upcasts,
     walsh_entry,
 )
-from needle_torch.v2 import generate as generate_module
 from needle_torch.v2 import lanes, model
 from needle_torch.v2.generate import DecodeCache
 from needle_torch.v2.model import F32_MIN, FLASH_NEG, HadamardMLP, SimpleAttentionNetwork, silu, walsh_matrix
-
-QUERY_BLOCK = 32  # query rows per block of the C++ prefill attention (cpu_prefill), each over the keys up to its last
-
 
 # ----------------------------------------------------------------------------- attention
 
 
 def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: bool = True,
                           causal: bool = False) -> Tensor:
-    """model.dot_product_attention in the form the call takes: cpu_attention for compiled steps of many rows,
-    fused multiply-and-sums for few, cpu_prefill for compiled causal prefills (blocks of QUERY_BLOCK queries),
-    SDPA's fused bf16 kernel where the CPU has bf16 units, upcast bf16 products where it has none."""
+    """model.dot_product_attention in the form the call takes: fused multiply-and-sums for compiled steps of few
+    rows, SDPA's fused bf16 kernel where the CPU has bf16 units, upcast bf16 products where it has none."""
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
     reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
-    if reduce and cpu_attention.applies(q, k, flash):  # many rows: the C++ kernel, the same arithmetic
-        return cpu_attention.attend(q, k, v, mask.expand(B, 1, 1, S).reshape(B, S), FLASH_NEG)  # (B, H, 1, h)
     low = F32_MIN if q.dtype == torch.float32 else FLASH_NEG  # FLASH_NEG: finite in bf16 (F32_MIN rounds to -inf)
-    if not reduce and cpu_prefill.applies(q, k, causal, flash):  # a compiled prefill: the C++ kernel, the same blocks
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, low)
-        return cpu_prefill.attend(q, k, v, bias, QUERY_BLOCK)
     # SDPA's bf16 products need bf16 units (kernels.bf16_path)
     fused_bf16 = q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device)
     if (q.dtype == torch.float32 or fused_bf16) and not reduce:
@@ -120,9 +110,7 @@ def walsh_transform(x: Tensor) -> Tensor:
 
 
 def hadamard_mlp(self: HadamardMLP, x: Tensor) -> Tensor:
-    """HadamardMLP.forward; compiled CPU graphs of many float32 or bf16 rows take the C++ kernel (cpu_hadamard)."""
-    if cpu_hadamard.applies(x, self.d1):
-        return cpu_hadamard.mlp(x, self.d1, self.d2, self.d3)
+    """HadamardMLP.forward, its Walsh products through the fast walsh_transform."""
     x = F.pad(x, (0, self.d1.shape[0] - self.d_model))  # (B, T, P), zeros past D
     z = model.walsh_transform(self.d1 * x)
     z = model.walsh_transform(silu(self.d2 * z))
@@ -148,11 +136,8 @@ def _logsumexp(z: Tensor, dim: int) -> Tensor:
 
 def sinkhorn(logits: Tensor, iters: int = lanes.SINKHORN_ITERS) -> Tensor:
     """lanes.sinkhorn; compiled for CPU the (n, n) axes move to the front, so that every step runs over the tokens
-    as its innermost, contiguous axis (the same steps in the same order), and more rows than kernels.REDUCE_MAX_ROWS
-    take the C++ kernel of cpu_sinkhorn (the same steps in registers)."""
+    as its innermost, contiguous axis (the same steps in the same order)."""
     z = logits.float()
-    if cpu_sinkhorn.applies(z):
-        return cpu_sinkhorn.sinkhorn(z, iters)
     if not compiling_for_cpu(z.device):
         return _PLAIN["sinkhorn"](z, iters)
     z = z.movedim((-2, -1), (0, 1))  # (n, n, ...): tokens innermost
@@ -222,26 +207,15 @@ def decode_logits(self: SimpleAttentionNetwork, x: Tensor, weight: Tensor | None
 
 
 def prepare(net: SimpleAttentionNetwork, batch: int, steps_compiled: bool, prefill_compiled: bool) -> bool:
-    """Build the kernels a request's compiled passes will call; True where its steps run through cpu_decode."""
-    fused = steps_compiled and cpu_decode.applies(net, batch)
-    cfg, device = net.config, net.device
-    if (steps_compiled and not fused) or prefill_compiled:  # the Sinkhorn; the Hadamard MLP
-        cpu_sinkhorn.prepare(cfg.mhc_lanes, device)
-        cpu_hadamard.prepare(cfg.d_model, cfg.hada_dim, net.dtype, device)
-    if prefill_compiled:  # the prefill's attention
-        cpu_prefill.prepare(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, net.dtype, device)
-    return fused
+    """True where a request's compiled steps run through cpu_decode (its kernel is built on first use)."""
+    return steps_compiled and cpu_decode.applies(net, batch)
 
 
 def ready(net: SimpleAttentionNetwork, cache: DecodeCache, traced: bool, fused: bool) -> DecodeCache:
-    """The request's cache with the fast forms' state: the attention kernel its compiled steps call, cpu_decode's
-    tables (a FusedCache) where `fused`, and no float32 copy of E where traced steps read E in place."""
-    cfg, batch = net.config, cache.hist.shape[0]
-    if traced:
-        cpu_attention.prepare(net.dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, net.device,
-                              batch * cfg.num_kv_heads)
-        if reduces_when_compiled(batch, net.device):
-            cache.logits_weight = None
+    """The request's cache with the fast forms' state: cpu_decode's tables (a FusedCache) where `fused`, and no
+    float32 copy of E where traced steps read E in place."""
+    if traced and reduces_when_compiled(cache.hist.shape[0], net.device):
+        cache.logits_weight = None
     if not fused or not enabled():
         return cache
     fields = {f: getattr(cache, f) for f in cache.__dataclass_fields__}
@@ -297,12 +271,7 @@ PIECES = {
     "reductions": Piece("bf16-b1-steps", (*_NO_DECODE_KERNELS, (kernels, "REDUCE_MAX_ROWS", 0))),
     "onednn_f32": Piece("f32-many-steps", ((kernels, "_onednn_f32", _never),)),
     "linear": Piece("f32-many-steps", ((sys.modules[__name__], "LINEAR", None),)),
-    "cpu_attention": Piece("f32-many-steps", ((cpu_attention, "applies", _never),)),
-    "cpu_prefill": Piece("f32-many-all", ((cpu_prefill, "applies", _never),)),
-    "cpu_hadamard": Piece("f32-many-all", ((cpu_hadamard, "applies", _never),)),
-    "cpu_sinkhorn": Piece("f32-many-all", ((cpu_sinkhorn, "applies", _never),)),
     "walsh_forms": Piece("f32-many-all", ((sys.modules[__name__], "SWAPS",
                                            tuple(s for s in SWAPS if s[1] != "walsh_transform")),)),
     "prefill_chunks": Piece("bf16-many-eager", ((kernels, "PREFILL_TOKENS", 1 << 30),)),
-    "step_options": Piece("f32-many-steps", ((generate_module, "STEP_OPTIONS", {}),)),
 }

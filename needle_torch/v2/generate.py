@@ -23,16 +23,13 @@ from torch import Tensor, nn
 from convert.errors import GenerationError
 from convert.v2.config import ENGRAM_TAPS, TransformerConfig
 from convert.v2.generation import check_generate_args, prompt_validity
-from needle_torch.fast.kernels import CompiledStep, enabled, prefill_rows
+from needle_torch.fast.kernels import CompiledStep, prefill_rows
 from needle_torch.fast.seam import fast_paths
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2.engram import shift_right
 
 Streamer = Callable[[Tensor], None]  # called with the (B,) int64 CPU tokens of each step, in order
 
-# Inductor settings for the compiled passes: materialise a fused expression of more than 8 ops rather than recompute
-# it inside every reduction that reads it, and no size asserts in the wrapper (thousands of Python calls a step).
-STEP_OPTIONS = {"realize_cpu_opcount_threshold": 8, "size_asserts": False}
 
 
 # ----------------------------------------------------------------------------- masks and the cache
@@ -102,11 +99,6 @@ class DecodeCache:
 # ----------------------------------------------------------------------------- one step and its choice
 
 
-def options(fast_options: dict) -> dict | None:
-    """The inductor options of a compiled pass: `fast_options` with the fast forms on, inductor's defaults without."""
-    return fast_options if enabled() else None
-
-
 def pick(logits: Tensor, done: Tensor, eos: int | Tensor, pad: int | Tensor, noise: Tensor | None = None,
          inv_temp: float | Tensor = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """The next token of every row from float32 logits (B, V): (token (B,), done (B,), log-probability (B,)).
@@ -138,7 +130,7 @@ def prefill_in_chunks(model: nn.Module, prompts: Tensor, cache, compiled: bool =
     for start in range(0, B, rows):
         n = min(rows, B - start)
         if n not in passes:
-            passes[n] = CompiledStep(_prefill, options(STEP_OPTIONS)) if compiled else _prefill
+            passes[n] = CompiledStep(_prefill) if compiled else _prefill
         out.append(passes[n](model, prompts[start:start + n], cache if n == B else cache.rows(start, start + n)))
     return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -297,7 +289,7 @@ def _generate(model, tokens, max_new_tokens, kv_window, temperature, seed, sink,
     prefill = prefill_in_chunks(model, prompts, cache, prefill_compiled)  # (B, V) float32: chooses token 0
     # 0-d tensors: the ids are graph inputs (one graph for any ids), positions too (one graph for every step).
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
-    step = CompiledStep(_step_and_pick, options(STEP_OPTIONS)) if traced else _step_and_pick
+    step = CompiledStep(_step_and_pick) if traced else _step_and_pick
     positions = torch.arange(P, P + G, device=device) if traced else range(P, P + G)
 
     def advance(t: int, out: Tensor, done: Tensor, noise: Tensor | None):

@@ -4,8 +4,7 @@ The suite's own process builds and checks the kernels as this CPU runs them (AVX
 or AVX2). Each kind below reruns a few of those cases in a process whose inductor builds for that kind
 (TORCHINDUCTOR_CPP_MARCH, ATEN_CPU_CAPABILITY) and whose bf16 products take that kind's path, where this CPU can
 run the kind's code:
-  avx2          x86-64-v3 code: 8-float vectors, 16 registers, no bf16 units (the kernels size their register tiles
-                by the build's register file, prefill_attention.cpp)
+  avx2          x86-64-v3 code: 8-float vectors, 16 registers, no bf16 units
   avx512-no-bf16  x86-64-v4 code: AVX-512 without the AVX512-BF16 instructions (a common cloud VM); only on a CPU
                 that has AVX512-BF16, since elsewhere the suite's own run is this kind
 A case may skip for a feature the kind lacks, with its reason; none may fail. Where this CPU has AVX512-BF16, the
@@ -30,22 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 FLAGS = cpu_flags()
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 
-# One small case per kernel and dtype: each distinct shape is a build of its own, the cost of this test. On both kinds
-# bf16 products take the upcast loads (no bf16 units), so cpu_decode's bf16 case covers that path.
-F32_CASES = (
-    "tests/v2/test_cpu_prefill.py::test_the_kernel_is_the_twins_attention[published heads, 3 blocks and a tail]",
-    "tests/v2/test_cpu_attention.py::test_the_kernel_is_the_twins_flash_attention[dtype0-2-16-37]",
-    "tests/v2/test_cpu_hadamard.py::test_the_kernel_is_the_twins_hadamard_mlp[37-48-float32]",
-    "tests/v2/test_cpu_sinkhorn.py::test_the_kernel_is_the_twins_sinkhorn[4-37]",
-    "tests/v2/test_cpu_decode.py::test_each_kernel_is_the_eager_piece[tiny-3-float32]",
-)
-BF16_CASES = (
-    "tests/v2/test_cpu_prefill.py::test_the_bf16_kernel_is_the_twins_bf16_flash_attention"
-    "[one kv head per query head, one block-False]",
-    "tests/v2/test_cpu_attention.py::test_the_kernel_is_the_twins_flash_attention[dtype2-2-64-45]",
-    "tests/v2/test_cpu_hadamard.py::test_the_kernel_is_the_twins_hadamard_mlp[37-48-bf16]",
-    "tests/v2/test_cpu_decode.py::test_each_kernel_is_the_eager_piece[tiny-3-bf16]",
-)
+# One small case per dtype: each distinct shape is a build of its own, the cost of this test. On both kinds bf16
+# products take the upcast loads (no bf16 units), so cpu_decode's bf16 case covers that path.
+F32_CASES = ("tests/v2/test_cpu_decode.py::test_each_kernel_is_the_eager_piece[tiny-3-float32]",)
+BF16_CASES = ("tests/v2/test_cpu_decode.py::test_each_kernel_is_the_eager_piece[tiny-3-bf16]",)
 # kind -> (environment of its process, flags this CPU needs to run its code, why it skips otherwise,
 #          instructions its builds must not contain (None: no check), its cases: AVX-512 float32 code without
 #          AVX512-BF16 is this CPU's own, so that kind reruns the bf16 cases only)

@@ -28,8 +28,7 @@ from convert.mapping import random_flax_params
 from convert.trees import flatten_tree, unflatten_tree
 from convert.v2.config import FIRST_PLAIN_ID, TransformerConfig
 from convert.v2.generation import prompt_validity
-from needle_torch.fast import cpu_attention, cpu_decode, cpu_sinkhorn, kernels
-from needle_torch.fast import v2 as fast_v2
+from needle_torch.fast import cpu_decode, kernels
 from needle_torch.fast.seam import fast_paths
 from needle_torch.layers import make_causal_mask
 from needle_torch.v2 import SimpleAttentionNetwork, engram_masks
@@ -259,12 +258,11 @@ def test_cached_equals_recompute_at_every_step_on_random_models(name):
 
 
 def test_prompts_longer_than_a_query_block_decode_as_the_recompute_loop():
-    """Prompts of more than model.QUERY_BLOCK tokens (the C++ prefill attention's block): the cached prefill's logits
-    at every step stay within the float32 budget of the recompute loop's, left-padded rows included."""
+    """Prompts of 80 and 47 tokens (several of SDPA's query blocks): the cached prefill's logits at every step stay
+    within the float32 budget of the recompute loop's, left-padded rows included."""
     config = TransformerConfig(max_seq_len=96, dtype="float32", **RANDOM_CONFIGS["gqa-3lanes-1site-orders234"])
     model = SimpleAttentionNetwork.from_flax(random_flax_params(config, seed=7, std=0.2, groups=()), config)
     prompts = left_padded(config.vocab_size, [80, 47], seed=5)
-    assert prompts.shape[1] > 2 * fast_v2.QUERY_BLOCK
     kw = dict(return_logits=True, eos_token_id=None, temperature=5.0, seed=0)
     tokens_c, logits_c = generate(model, prompts, 6, **kw)
     tokens_r, logits_r = generate_recompute(model, prompts, 6, **kw)
@@ -551,22 +549,15 @@ def test_compiled_generation_matches_eager_and_compiles_one_graph(f32, fx, trace
 
 @pytest.mark.slow
 @STEP_GRAPHS  # a graph of its own, here for balance: by measured durations the groups hold ~340 and ~260 s, not 200/400
-def test_compiled_steps_of_more_rows_than_reductions_take_give_upstreams_tokens(f32, fx, monkeypatch, traced):
-    """A batch of 6 rows (> kernels.REDUCE_MAX_ROWS): the compiled step's products are library ones, its Walsh
-    products the Kronecker form, and (its 12 rows x kv heads let in here) its attention the C++ kernel of
-    cpu_attention, called once a layer a step. Upstream's batch goldens (the batch twice over): tokens, step logits
-    and log-probs within F32_REL. (Not eager's logits within COMPILED_REL: the kernel and eager's SDPA are each
-    within ~3e-7 of a float64 attention, tests/v2/test_cpu_attention.py, but not of each other's rounding; the
-    fixture's logits moved 1.2e-6 between them.)"""
+def test_compiled_steps_of_more_rows_than_reductions_take_give_upstreams_tokens(f32, fx, traced):
+    """A batch of 6 rows (> kernels.REDUCE_MAX_ROWS): the compiled step's products are library ones and its Walsh
+    products the Kronecker form. Upstream's batch goldens (the batch twice over): tokens, step logits and
+    log-probs within F32_REL."""
     g = fx["g"]
     prompts = np.concatenate([g["batch_prompts"]] * 2)
     assert prompts.shape[0] > kernels.REDUCE_MAX_ROWS
-    monkeypatch.setattr(cpu_attention, "MIN_UNITS", prompts.shape[0] * fx["config"].num_kv_heads)
     tokens, logits, logp = generate(f32, prompts, G, return_logits=True, return_logprobs=True, compile=True)
-    with torch.profiler.profile() as prof:  # a second request: its graph compiled, so only the steps run
-        assert torch.equal(generate(f32, prompts, G, compile=True), tokens)
-    calls = sum(e.count for e in prof.key_averages() if e.key == "needle_twin::decode_attention")
-    assert calls == (logits.shape[1] - 1) * fx["config"].num_layers  # every step after the prefill's choice
+    assert torch.equal(generate(f32, prompts, G, compile=True), tokens)  # a second request, its graph compiled
     twice = [np.concatenate([g[f"f32/batch_{name}"]] * 2) for name in ("tokens", "step_logits", "logp")]
     assert_generated(tokens, logits, twice[0], twice[1], logp, twice[2])
 
@@ -998,15 +989,15 @@ def test_without_the_private_onednn_ops_products_take_the_library(monkeypatch):
     torch.testing.assert_close(y.float(), x.float() @ layer.weight.float().T, rtol=2**-7, atol=1e-3)
 
 
-def test_without_inductors_cpp_cache_a_kernel_falls_back_with_one_warning(monkeypatch):
+def test_without_inductors_cpp_cache_a_kernel_falls_back_with_one_warning(f32, monkeypatch):
     """A torch whose torch._inductor.codecache lacks CppPythonBindingsCodeCache: a kernel module's build warns once
     (KernelBuildWarning) and compiled graphs keep the torch form (applies is False)."""
     monkeypatch.setitem(sys.modules, "torch._inductor.codecache", types.ModuleType("torch._inductor.codecache"))
-    monkeypatch.setattr(cpu_sinkhorn, "_built", {})
-    monkeypatch.setattr(cpu_sinkhorn, "_ready", {})
-    with pytest.warns(kernels.KernelBuildWarning, match="Sinkhorn"):
-        cpu_sinkhorn.prepare(4, torch.device("cpu"))
-    assert cpu_sinkhorn._ready == {4: False}
+    monkeypatch.setattr(cpu_decode, "_built", {})
+    monkeypatch.setattr(cpu_decode, "_ready", {})
+    with pytest.warns(kernels.KernelBuildWarning, match="CPU decoding kernels"):
+        assert not cpu_decode.applies(f32, 1)
+    assert list(cpu_decode._ready.values()) == [False]
 
 
 def test_without_the_private_prims_op_a_stored_input_is_itself(monkeypatch):
