@@ -224,6 +224,17 @@ def test_a_value_placed_on_a_boundary_is_reported_as_one_flip_and_passes(tiny):
     assert masked_rel(got, ref, report.affected) <= F32_REL  # ... and only where it reached
 
 
+def _perturbed(model) -> SimpleAttentionNetwork:
+    """A copy of `model` whose layer-1 q_proj weights each move by ±1e-3 of themselves (~10^4 times float32 noise;
+    random signs, since a per-row A8 code is blind to a uniform scale)."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    w = state["stack.layers.1.block.self_attn.q_proj.weight"]
+    w *= 1 + 1e-3 * torch.as_tensor(np.random.default_rng(0).choice([-1.0, 1.0], w.shape), dtype=w.dtype)
+    bad = SimpleAttentionNetwork(TINY, groups=())
+    bad.load_state_dict(state)
+    return bad.eval()
+
+
 def test_an_aligned_run_takes_the_flip_and_is_judged_at_every_position(tiny):
     """The same placed flip, traced with align=the reference's calls (as the parity engine's quant pass runs): the
     flip is reported, nothing is set aside, and the logits agree with the reference at the float32 budget
@@ -253,12 +264,8 @@ def test_an_aligned_run_still_fails_a_perturbed_weight(tiny):
     divergence and its logits still fail."""
     model, tokens = tiny
     ref, ref_calls = _quant_run(model, tokens)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    w = state["stack.layers.1.block.self_attn.q_proj.weight"]
-    w *= 1 + 1e-3 * torch.as_tensor(np.random.default_rng(0).choice([-1.0, 1.0], w.shape), dtype=w.dtype)
-    bad = SimpleAttentionNetwork(TINY, groups=())
-    bad.load_state_dict(state)
-    got, got_calls = _quant_run(bad.eval(), tokens, align=ref_calls)
+    bad = _perturbed(model)
+    got, got_calls = _quant_run(bad, tokens, align=ref_calls)
     report = compare(ref_calls, got_calls, aligned=True)
     assert not report.ok and report.divergences[0].layer == 1, report.summary()
     assert rel(got, ref) > F32_REL
@@ -270,12 +277,8 @@ def test_a_weight_perturbed_beyond_float32_noise_still_fails(tiny):
     quantiser, a real divergence, not a flip."""
     model, tokens = tiny
     ref, ref_calls = _quant_run(model, tokens)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    w = state["stack.layers.1.block.self_attn.q_proj.weight"]
-    w *= 1 + 1e-3 * torch.as_tensor(np.random.default_rng(0).choice([-1.0, 1.0], w.shape), dtype=w.dtype)
-    bad = SimpleAttentionNetwork(TINY, groups=())
-    bad.load_state_dict(state)
-    got, got_calls = _quant_run(bad.eval(), tokens)
+    bad = _perturbed(model)
+    got, got_calls = _quant_run(bad, tokens)
 
     report = compare(ref_calls, got_calls)
     assert not report.ok, report.summary()
