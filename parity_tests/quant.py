@@ -13,7 +13,7 @@ import importlib.metadata
 import math
 import platform
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -99,6 +99,25 @@ def prompt_ends(tokens: np.ndarray, pad_id: int) -> np.ndarray:
     return np.where(real.any(axis=1), last, 0)
 
 
+@torch.no_grad()
+def greedy_decode(logits: Callable[[torch.Tensor], np.ndarray], tokens: np.ndarray, pad_id: int, steps: int,
+                  device: torch.device) -> np.ndarray:
+    """`steps` greedy tokens (argmax over the whole vocabulary, as upstream) after each row's prompt: a plain
+    recompute loop, as upstream's `generate` (the whole buffer through `logits` at every step, tokens (B, W) ->
+    float32 numpy (B, W, V); right padding is invisible to real positions under the causal mask). Rows must have a
+    prompt (prompt_ends > 0). -> (B, steps) int64."""
+    ends = prompt_ends(tokens, pad_id)
+    start = int(ends.max())
+    buf = np.full((len(tokens), start + steps), pad_id, np.int64)
+    buf[:, :start] = tokens[:, :start]
+    rows = np.arange(len(tokens))
+    out = np.zeros((len(tokens), steps), np.int64)
+    for s in range(steps):
+        out[:, s] = logits(torch.from_numpy(buf[:, :start + s]).to(device))[rows, ends + s - 1].argmax(-1)
+        buf[rows, ends + s] = out[:, s]
+    return out
+
+
 def greedy_figures(float_tokens: np.ndarray, quant_tokens: np.ndarray, rows: np.ndarray) -> dict[str, Any]:
     """Per row the first step where the two models' tokens differ (None: never), and the fraction of all steps
     that agree before each row's first divergence."""
@@ -165,8 +184,9 @@ def rescore_file(report_path: str, *, json_path: str | None = None, html_path: s
     return new
 
 
-__all__ = ["MAX_FOREIGN_GROUPS", "environment", "greedy_figures", "kld_stats", "logit_figures", "pinned_torch",
-           "prompt_ends", "quant_device", "refuse_foreign_cact", "rescore_file", "sqnr_db", "state_error"]
+__all__ = ["MAX_FOREIGN_GROUPS", "environment", "greedy_decode", "greedy_figures", "kld_stats", "logit_figures",
+           "pinned_torch", "prompt_ends", "quant_device", "refuse_foreign_cact", "rescore_file", "sqnr_db",
+           "state_error"]
 
 
 def torch_index(family: Any, config: Any) -> dict[str, tuple[str, int | None]]:

@@ -43,11 +43,12 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flash: 
     B, H, T, h = q.shape
     K, S = k.shape[1], k.shape[2]
     reduce = as_reduction(T, q.device)  # a compiled decode step: few queries per row, fused multiply-and-sums
-    low = F32_MIN if q.dtype == torch.float32 else FLASH_NEG  # FLASH_NEG: finite in bf16 (F32_MIN rounds to -inf)
-    # SDPA's bf16 products need bf16 units (kernels.bf16_path)
-    fused_bf16 = q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device)
-    if (q.dtype == torch.float32 or fused_bf16) and not reduce:
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, low)
+    if q.dtype == torch.float32 and not reduce:  # the plain form is SDPA already
+        return _PLAIN["dot_product_attention"](q, k, v, mask, flash, causal)
+    # SDPA's bf16 products need bf16 units (kernels.bf16_path); FLASH_NEG: finite in bf16 (F32_MIN rounds to -inf)
+    if q.dtype == torch.bfloat16 and flash and compiling_for_cpu(q.device) and not upcasts(q.dtype, q.device) \
+            and not reduce:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, FLASH_NEG)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1 / math.sqrt(h),
                                               enable_gqa=H != K)  # (B, H, T, h)
     g = H // K
@@ -228,8 +229,9 @@ def module_swaps(net: nn.Module) -> list:
 
 
 # The plain pieces, and what replaces them inside fast_paths: (owner, attribute, fast form).
-_PLAIN = {"sinkhorn": lanes.sinkhorn, "write_lanes": lanes.write_lanes,
-          "decode_step": SimpleAttentionNetwork.decode_step, "new_cache": SimpleAttentionNetwork.new_cache}
+_PLAIN = {"dot_product_attention": model.dot_product_attention, "sinkhorn": lanes.sinkhorn,
+          "write_lanes": lanes.write_lanes, "decode_step": SimpleAttentionNetwork.decode_step,
+          "new_cache": SimpleAttentionNetwork.new_cache}
 SWAPS = (
     (model, "dot_product_attention", dot_product_attention),
     (model, "walsh_transform", walsh_transform),

@@ -60,6 +60,7 @@ from parity_tests.inputs import Batch, InputError, as_token_array, check_sizes, 
 from parity_tests.outputs import check_outputs, write_outputs
 from parity_tests.quant import (
     environment,
+    greedy_decode,
     greedy_figures,
     kld_stats,
     logit_figures,
@@ -314,26 +315,6 @@ def forward_states(model: SimpleAttentionNetwork, tokens: torch.Tensor) -> tuple
     return logits, caps
 
 
-@torch.no_grad()
-def greedy_decode(model: SimpleAttentionNetwork, tokens: np.ndarray, pad_id: int, steps: int,
-                  device: torch.device) -> np.ndarray:
-    """`steps` greedy tokens (argmax over the whole vocabulary, as upstream) after each row's prompt: a plain
-    recompute loop (the whole buffer through the forward at every step; right padding is invisible to real
-    positions under the causal mask). Rows must have a prompt (prompt_ends > 0). -> (B, steps) int64."""
-    ends = prompt_ends(tokens, pad_id)
-    B, width = len(tokens), int(ends.max()) + steps
-    buf = np.full((B, width), pad_id, np.int64)
-    buf[:, : int(ends.max())] = tokens[:, : int(ends.max())]
-    rows = np.arange(B)
-    out = np.zeros((B, steps), np.int64)
-    for s in range(steps):
-        logits = model(torch.from_numpy(buf[:, : int(ends.max()) + s]).to(device))  # (B, W, V)
-        nxt = logits[torch.from_numpy(rows).to(device), torch.from_numpy(ends + s - 1).to(device)].argmax(-1)
-        out[:, s] = nxt.cpu().numpy()
-        buf[rows, ends + s] = out[:, s]
-    return out
-
-
 def _unit_order(config: TransformerConfig, units: Sequence[str]) -> list[str]:
     """Execution order: embedding, then each layer preceded by the engram sites it injects, then the rest."""
     order = ["embedding"]
@@ -487,8 +468,8 @@ def compare(float_params: Mapping[str, Any], quantized: Quantized, config: Trans
         if steps:
             ends = prompt_ends(tokens_np, pad)
             rows = np.flatnonzero(ends > 0)
-            f_gen = greedy_decode(fmodel, tokens_np[rows], pad, steps, dev)
-            q_gen = greedy_decode(qmodel, tokens_np[rows], pad, steps, dev)
+            f_gen = greedy_decode(lambda t: _numpy(fmodel(t)), tokens_np[rows], pad, steps, dev)
+            q_gen = greedy_decode(lambda t: _numpy(qmodel(t)), tokens_np[rows], pad, steps, dev)
             greedy = greedy_figures(f_gen, q_gen, rows)
             arrays.update(float_tokens=f_gen, quant_tokens=q_gen)
             if int(ends.max()) + steps > config.max_seq_len:
@@ -630,7 +611,7 @@ def quant(float_ckpt: str, *, cact: str | None = None, bits: str | None = None, 
 
 __all__ = [
     "QuantReport", "Quantized", "ReportError", "Thresholds", "attribute", "compare", "forward_states", "from_cact",
-    "greedy_decode", "kld_stats", "load_json", "logit_figures", "parse_bits_spec", "quant", "quant_batch",
+    "kld_stats", "load_json", "logit_figures", "parse_bits_spec", "quant", "quant_batch",
     "quantize_bits", "render_html", "render_terminal", "rescore", "rescore_file", "run_quant", "score", "sqnr_db",
     "state_error", "tensor_table", "to_json", "torch_index", "unit_members", "unquantized",
 ]

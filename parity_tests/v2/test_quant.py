@@ -41,6 +41,7 @@ from convert.v2.lora import merge_lora
 from needle_torch.v2 import SimpleAttentionNetwork
 from parity_tests.cq_flips import compare_cq, group_view
 from parity_tests.inputs import Batch, InputError
+from parity_tests.quant import greedy_decode
 from parity_tests.quant_report import (
     SCHEMA,
     QuantReport,
@@ -56,7 +57,6 @@ from parity_tests.v2.quant import (
     LOGITS_PATH,
     compare,
     from_cact,
-    greedy_decode,
     logit_figures,
     quant,
     quant_batch,
@@ -368,14 +368,17 @@ def test_greedy_loop_reproduces_upstreams_recompute_tokens(params32, ckpt):
     golden = np.load(DATA + "needle-v2-tiny.npz")
     model = SimpleAttentionNetwork.from_flax(params32, ckpt.config, dtype="float32")
     prompt, want = golden["dec_prompt"], golden["f32/rec_tokens"]
-    got = greedy_decode(model, prompt, 0, want.shape[1], torch.device("cpu"))
+    def logits(t):
+        return model(t).float().numpy()
+
+    got = greedy_decode(logits, prompt, 0, want.shape[1], torch.device("cpu"))
     np.testing.assert_array_equal(got, want)
     # right-padded rows decode as their own prompt would alone
     padded = np.zeros((2, prompt.shape[1] + 3), np.int32)
     padded[0, : prompt.shape[1]], padded[1, :4] = prompt[0], prompt[0, :4]
-    both = greedy_decode(model, padded, 0, 5, torch.device("cpu"))
+    both = greedy_decode(logits, padded, 0, 5, torch.device("cpu"))
     np.testing.assert_array_equal(both[0], want[0, :5])
-    np.testing.assert_array_equal(both[1], greedy_decode(model, prompt[:, :4], 0, 5, torch.device("cpu"))[0])
+    np.testing.assert_array_equal(both[1], greedy_decode(logits, prompt[:, :4], 0, 5, torch.device("cpu"))[0])
 
 
 def test_greedy_figures(reports):

@@ -49,6 +49,7 @@ from parity_tests.inputs import Batch, InputError, as_token_array, check_sizes, 
 from parity_tests.outputs import check_outputs, write_outputs
 from parity_tests.quant import (
     environment,
+    greedy_decode,
     greedy_figures,
     logit_figures,
     pinned_torch,
@@ -277,23 +278,6 @@ def head_figures(got: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]) -
             den = np.linalg.norm(g.astype(np.float64), axis=-1) * np.linalg.norm(r.astype(np.float64), axis=-1)
             figs["min_cos"] = float(np.min(num / np.maximum(den, 1e-30)))
         out[name] = figs
-    return out
-
-
-@torch.no_grad()
-def greedy_decode(model: SimpleAttentionNetwork, tokens: np.ndarray, pad_id: int, steps: int, quant: bool,
-                  device: torch.device) -> np.ndarray:
-    """`steps` greedy tokens after each row's prompt: a plain recompute loop, as upstream's `R.generate`."""
-    ends = prompt_ends(tokens, pad_id)
-    B, width = len(tokens), int(ends.max()) + steps
-    buf = np.full((B, width), pad_id, np.int64)
-    buf[:, : int(ends.max())] = tokens[:, : int(ends.max())]
-    rows = np.arange(B)
-    out = np.zeros((B, steps), np.int64)
-    for s in range(steps):
-        logits = logits_of(model, torch.from_numpy(buf[:, : int(ends.max()) + s]).to(device), quant)
-        out[:, s] = logits[rows, ends + s - 1].argmax(-1)
-        buf[rows, ends + s] = out[:, s]
     return out
 
 
@@ -536,8 +520,8 @@ def compare(float_params: Mapping[str, Any], config: TransformerConfig, batch: B
         if steps:
             ends = prompt_ends(tokens_np, pad)
             rows = np.flatnonzero(ends > 0)
-            f_gen = greedy_decode(models["float"], tokens_np[rows], pad, steps, False, dev)
-            q_gen = greedy_decode(models[judged], tokens_np[rows], pad, steps, True, dev)
+            f_gen = greedy_decode(lambda t: logits_of(models["float"], t, False), tokens_np[rows], pad, steps, dev)
+            q_gen = greedy_decode(lambda t: logits_of(models[judged], t, True), tokens_np[rows], pad, steps, dev)
             greedy = greedy_figures(f_gen, q_gen, rows)
             arrays.update(float_tokens=f_gen, quant_tokens=q_gen)
             if int(ends.max()) + steps > config.max_seq_len:
