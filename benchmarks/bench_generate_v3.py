@@ -10,7 +10,8 @@ bfloat16 (weights and compute dtype), EOS never stopping our rows. Methods (cell
   flax            needle_flax.v3.generate: one jit (prefill + a while_loop of cached steps)
   torch-eager     needle_torch.v3.generate
   torch-compiled  needle_torch.v3.generate with compile=True: the same loop, its one-token steps through
-                  torch.compile (needle_torch.fast.v3)
+                  torch.compile with needle_torch.fast.v3's forms (few-row products as multiply-and-sums)
+  torch-compiled-plain  the same with fast=False: the plain pieces compiled (what the fast forms must beat)
 Reported per cell:
   tok/s           end to end: new tokens / the whole request (prefill included), best of --repeats
   decode tok/s    the steps after the first token: B·(G - 1) / their time (torch: stamped by the streamer; Flax and
@@ -30,7 +31,8 @@ float32 bound; bf16 decode >= 50 % of the bf16 bound on CPUs with bf16 units (av
 than float32 on CPUs without; Flax cached >= 3x upstream's loop with compile <= 30 s.
 
 Usage: python benchmarks/bench_generate_v3.py [--dtype float32 bfloat16] [--batch 1 16] [--repeats 2]
-       [--methods upstream flax torch-eager torch-compiled] [--only CELL ...] [--upstream-steps 4] [--threads N]
+       [--methods upstream flax torch-eager torch-compiled-plain torch-compiled] [--only CELL ...]
+       [--upstream-steps 4] [--threads N]
        [--prompt-len 256] [--new-tokens 64] [--quick] [--out NAME]
 --only picks cells by prefix: `torch-compiled/float32/b1`, `torch-compiled/bfloat16`, `flax`. --quick: a tiny
 config, 16-token prompt, 8 new tokens, batch 1 and 2 (a smoke run; its figures mean nothing). --out NAME writes
@@ -59,9 +61,9 @@ from convert.v3 import TransformerConfig  # noqa: E402
 from convert.v3.config import BOS_ID  # noqa: E402
 
 FIRST_PLAIN_ID = 20  # PAD, EOS, BOS, UNK and 16 chat markers come first
-METHODS = ("upstream", "flax", "torch-eager", "torch-compiled")
+METHODS = ("upstream", "flax", "torch-eager", "torch-compiled-plain", "torch-compiled")
 NAMES = {"upstream": "upstream run.generate loop", "flax": "Flax cached", "torch-eager": "torch eager",
-         "torch-compiled": "torch compiled"}
+         "torch-compiled-plain": "torch plain + compile", "torch-compiled": "torch compiled"}
 UPSTREAM_PYTHON = Path("/work/main/.upstream-venv/bin/python")
 QUICK_FIELDS = dict(vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, num_layers=4, qk_head_dim=16,
                     v_head_dim=16, engram_layers=(1, 3), engram_slots=61, global_layers=(3,), sliding_window=64,
@@ -202,7 +204,7 @@ def run_flax(cfg: TransformerConfig, tree: dict, prompts: np.ndarray, args) -> d
             "compile_s": first - e2e, "tokens": B * G}
 
 
-def run_torch(model, prompts: np.ndarray, compiled: bool, args) -> dict:
+def run_torch(model, prompts: np.ndarray, compiled: bool, args, fast: bool = True) -> dict:
     import torch
 
     tokens = torch.from_numpy(prompts)
@@ -213,7 +215,7 @@ def run_torch(model, prompts: np.ndarray, compiled: bool, args) -> dict:
         stamps = []
         start = time.perf_counter()
         model.generate(tokens, G, eos_token_id=None, streamer=lambda _: stamps.append(time.perf_counter()),
-                       compile=compiled)
+                       compile=compiled, fast=fast)
         return stamps[0] - start, stamps[-1] - stamps[0]
 
     first = sum(request())
@@ -302,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             elif method == "flax":
                 r = run_flax(cfg, tree, prompts, args)
             else:
-                r = run_torch(model, prompts, method == "torch-compiled", args)
+                r = run_torch(model, prompts, method.startswith("torch-compiled"), args,
+                              fast=method != "torch-compiled-plain")
             sizes = step_bytes(cfg, batch, args.prompt_len, args.new_tokens)
             read = sizes["stack"] + sizes["output"] + sizes["kv"] + sizes["conv"]
             r["bound_tok_s"] = batch * bw / read
@@ -349,6 +352,12 @@ def targets(results: dict, flags: set[str]) -> list[str]:
                 x = bf16["decode_tok_s"] / f32["decode_tok_s"]
                 lines.append(f"target b{b}: {m} bfloat16 decode {x:.2f}x float32's (no bf16 units; >= 1: "
                              f"{'met' if x >= 1 else 'MISSED'})")
+        for d in ("float32", "bfloat16"):
+            fast, plain = r.get(("torch-compiled", d, b)), r.get(("torch-compiled-plain", d, b))
+            if fast and plain:
+                x = fast["decode_tok_s"] / plain["decode_tok_s"]
+                lines.append(f"fast forms b{b} {d}: decode {x:.2f}x plain + compile (a piece keeps its place at "
+                             f">= 1.3x: {'yes' if x >= 1.3 else 'NO'})")
         fl = r.get(("flax", "float32", b))
         if fl:
             lines.append(f"target b{b}: flax float32 compile {fl['compile_s']:.1f} s (<= 30 s: "

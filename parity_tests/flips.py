@@ -198,6 +198,21 @@ def compare(ref: Sequence[Call], got: Sequence[Call], max_ulps: float = FLIP_ULP
     return FlipReport(flips, divergences, affected, len(ref), noise, aligned)
 
 
+def near_boundary(calls: Sequence[Call], max_ulps: float) -> np.ndarray:
+    """(B, T) bool: from each position on where some element of these calls lies within max_ulps of a rounding
+    boundary, to the end of its row: where a run whose float32 arithmetic differs by a few ulps (another CPU's
+    compiled code) may have rounded the other way, when only its outputs are known."""
+    if not calls:
+        return np.zeros((0, 0), bool)
+    B, T = calls[0].x.shape[0], calls[0].x.shape[-2]
+    affected = np.zeros((B, T), bool)
+    for c in calls:
+        near = codes_and_margin(c.x, c.bits, c.q)[1] <= max_ulps
+        for idx in zip(*np.nonzero(near), strict=True):
+            affected[idx[0], idx[-2]:] = True
+    return affected
+
+
 def flipped(x: np.ndarray, q: np.ndarray, ref: Call, bits: int, max_ulps: float = FLIP_ULPS) -> np.ndarray:
     """The code steps (ref - got, each -1, 0 or 1) that give one call's flipped elements the reference's codes:
     nonzero where the codes differ by one step with both sides within max_ulps of the boundary (`compare`'s flip);

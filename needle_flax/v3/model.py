@@ -46,11 +46,8 @@ from needle_flax.v2.lanes import (
     rms_unit,
     write_lanes,
 )
+from needle_flax.v3.engram import engram_indices, shift_right
 from needle_flax.v3.quant import _fake_quant, head_weight, quant_kv, quant_query
-
-HASH_SEED = 0x9E3779B9  # table (oi, e) starts from HASH_SEED·(oi·σ + e + 1) mod 2³²
-HASH_PRIME = 0x01000193  # the FNV-1a prime
-HASH_SHIFT = 15
 
 
 def _sinkhorn(logits, iters: int = SINKHORN_ITERS):
@@ -81,15 +78,6 @@ def make_window_mask(seq_len: int, window: int):
     return ((pos[:, None] - pos[None, :]) < window)[None, None, :, :]  # (1, 1, T, T)
 
 
-def shift_right(x, offset: int):
-    """x moved `offset` steps later on the time axis (axis 1), zeros shifted in at the start."""
-    if offset == 0:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (offset, 0)
-    return jnp.pad(x, pad)[:, : x.shape[1]]
-
-
 def mask_diag(mask, offset: int):
     """diag_o[b, t] = mask[b, 0, t, t - o], 0 where t < o: may position t see position t - o? (B|1, T)."""
     m = mask[:, 0]  # (B|1, T, T)
@@ -101,22 +89,6 @@ def mask_diag(mask, offset: int):
 
 
 # ----------------------------------------------------------------------------- engram
-
-
-def engram_indices(tokens, config: TransformerConfig):
-    """(B, T, N) int32 table rows: an FNV-style hash of the last o tokens per table in uint32 arithmetic. The seed
-    stride σ (not E) keeps a width-halved child's tables on their parent's seeds."""
-    u = tokens.astype(jnp.uint32)
-    E, stride, rows = config.engram_heads_resolved, config.engram_seed_stride, []
-    for oi, order in enumerate(config.engram_orders):
-        for e in range(E):
-            seed = (HASH_SEED * (oi * stride + e + 1)) & 0xFFFFFFFF
-            acc = jnp.full_like(u, jnp.uint32(seed))
-            for j in range(order):  # j = 0 is the current token
-                acc = (acc ^ shift_right(u, j)) * jnp.uint32(HASH_PRIME)
-            acc = acc ^ (acc >> jnp.uint32(HASH_SHIFT))
-            rows.append((acc % jnp.uint32(config.engram_slots)).astype(jnp.int32))
-    return jnp.stack(rows, axis=-1)  # (B, T, N)
 
 
 def _taps_init(key, shape, dtype=jnp.float32):

@@ -13,8 +13,8 @@ from a cache holding Needle 3's state, so each step feeds one token:
 - the buffer's tokens and validity: the engram (§3.4) at a position reads W = (max(O) - 1) + 3·max(O) tokens
   back (its n-grams, and the value rows its dilated taps read with theirs), so each step runs the forward's
   own `_engram_kv` on that short window.
-The forward's own submodules (projections, norms, the Monarch MLP, the engram) do the arithmetic; this file only
-composes them around the cache, in the forward's order of operations.
+The forward's own submodules (projections, norms, the Monarch MLP, the engram's tables) and its engram hashing do the
+arithmetic; this file composes them around the cache, in the forward's order of operations.
 
 Contract (Needle 2's, shared with needle_flax.v3.generate): prompts (B, P) left-padded with pad_token_id, valid
 from each row's first non-pad token on, the mask (causal ∧ valid) ∨ diagonal (plain causal for unpadded
@@ -45,15 +45,16 @@ from convert.errors import GenerationError
 from convert.v2.generation import check_generate_args, prompt_validity
 from convert.v3.config import ENGRAM_TAPS, EOS_ID, PAD_ID
 from convert.v3.ladder import ladder_layer_ranks
-from needle_torch.fast.seam import forms
-from needle_torch.layers import apply_rope, make_causal_mask, repeat_kv
+from needle_torch.fast.seam import fast_paths, forms
+from needle_torch.layers import apply_rope, make_causal_mask
 from needle_torch.v2.generate import Streamer, _loop, _Sampler, pick
 from needle_torch.v2.lanes import fake_quant_act, rms_unit, sinkhorn
+from needle_torch.v3.engram import engram_indices
 from needle_torch.v3.quant import quant_kv, quant_query
 
 # The model file imports this one (its `generate` method), so nothing here imports it back: the forward's pieces
-# are reached through the model instance (submodules and its _rope, _input_embeddings, _engram_kv, _logits), and the
-# few lines of its module-level arithmetic that decoding needs are restated below, each naming its original.
+# are reached through the model instance (submodules and its _rope, _input_embeddings, _logits), and the few lines
+# of its module-level arithmetic that decoding needs are restated below, each naming its original.
 F32_MIN = torch.finfo(torch.float32).min  # model.F32_MIN: the non-flash masked logit
 FLASH_NEG = -0.7 * torch.finfo(torch.float32).max  # model.FLASH_NEG: jax.nn.dot_product_attention's masked logit
 
@@ -87,6 +88,8 @@ class LayerCache:
     window: int  # a query at q sees keys with q - k < window (0: every earlier key)
     rows: tuple[Tensor, Tensor, Tensor] | None  # (B, τ - 1, H·hq), (B, τ - 1, K·hq), (B, τ - 1, K·hv); None: τ = 0
     lane: int  # this layer's lane in its stream: l mod n, or its position among a rung's layers mod n
+    offsets: tuple[Tensor, Tensor]  # model._lane_offsets of this lane: (pre_off, post_off) (n,) float32
+    site_flags: Tensor  # (G,) float32: 1 at this layer's engram site (if it is one), else 0
     # the sink positions' K, V once fed (global layers under a kv_window with sinks; else None): past the ring's
     # window a sink is read from here
     store_k: Tensor | None = None  # (B, K, N_s, hq)
@@ -164,7 +167,7 @@ def new_cache(model: nn.Module, batch: int, max_len: int, valid: Tensor | None =
     H, K, tau = cfg.num_heads, cfg.num_kv_heads, cfg.qkv_conv_taps
     hq, hv = cfg.head_dims
     slots = []
-    for spec in _layer_plan(cfg, max_len, kv_window, layers):
+    for i, spec in enumerate(_layer_plan(cfg, max_len, kv_window, layers)):
         if spec is None:
             slots.append(None)
             continue
@@ -173,7 +176,9 @@ def new_cache(model: nn.Module, batch: int, max_len: int, valid: Tensor | None =
                                           for c in (H * hq, K * hq, K * hv))
         lc = LayerCache(torch.zeros(batch, K, C, hq, dtype=dt, device=device),
                         torch.zeros(batch, K, C, hv, dtype=dt, device=device),
-                        torch.full((C,), -1, dtype=torch.long, device=device), window, rows, lane)
+                        torch.full((C,), -1, dtype=torch.long, device=device), window, rows, lane,
+                        _lane_offsets(lane, cfg.mhc_lanes, device),
+                        torch.tensor([float(site == i) for site in cfg.engram_layers], device=device))
         if sink_cols is not None and global_layer:  # a global layer's ring ends at kv; its sinks live on here
             Ns = sink_cols.shape[0]
             lc.store_k = torch.zeros(batch, K, Ns, hq, dtype=dt, device=device)
@@ -223,9 +228,9 @@ def _visible(cache: DecodeCache, positions: Tensor, keys: Tensor) -> tuple[Tenso
 # ----------------------------------------------------------------------------- one cached step
 
 
-def _conv_step(z: Tensor, taps: Tensor, rows: Tensor, tap_ok: list[Tensor | None]) -> tuple[Tensor, Tensor]:
+def _conv_step(z: Tensor, taps: Tensor, rows: Tensor, tap_ok: list[Tensor | None]) -> Tensor:
     """model.conv_taps on the chunk z (B, S, C) behind the cached rows (B, τ - 1, C), in its order of operations:
-    Σ_j taps[j] ⊙ (z[t - j]·ok_j[t]), tap 0 unmasked. (output (B, S, C), the new rows)."""
+    Σ_j taps[j] ⊙ (z[t - j]·ok_j[t]), tap 0 unmasked -> (B, S, C); the chunk's last τ - 1 rows go into `rows`."""
     S, lead = z.shape[1], rows.shape[1]
     ext = torch.cat([rows, z], dim=1)  # (B, τ - 1 + S, C)
     out = 0
@@ -234,26 +239,32 @@ def _conv_step(z: Tensor, taps: Tensor, rows: Tensor, tap_ok: list[Tensor | None
         if j:
             shifted = shifted * tap_ok[j]
         out = out + taps[j] * shifted
-    return out, ext[:, S:]
+    rows.copy_(ext[:, S:])
+    return out
 
 
 def _attend(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """The forward's attention arithmetic (MultiHeadAttention.forward, flash or not) on q (B, H, S, hq) over keys
-    k (B, K, C', hq), v (B, K, C', hv) with mask (B, 1, S, C') -> (B, S, H·hv)."""
+    k (B, K, C', hq), v (B, K, C', hv) with mask (B, 1, S, C') -> (B, S, H·hv). Query heads k·g .. k·g + g - 1 read
+    kv head k as a group (repeat_kv's order) instead of from repeated copies of the cache, and the flash form's zero
+    padding to F = max(hq, hv) is left out: its columns add exact zeros to the logits and are sliced off the output."""
     B, H, S, hq = q.shape
-    hv = v.shape[-1]
-    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])  # (B, H, C', hq), (B, H, C', hv)
+    K, hv = k.shape[1], v.shape[-1]
+    g = H // K
+    q = q.reshape(B, K, g * S, hq)  # (B, K, g·S, hq)
+    mask = mask[:, :, None]  # (B, 1, 1, S, C')
     if attn.flash:
         Fd = max(hq, hv)
         qf = q * torch.tensor(math.sqrt(Fd / hq), dtype=q.dtype)
-        qf, kf, vf = F.pad(qf, (0, Fd - hq)), F.pad(k, (0, Fd - hq)), F.pad(v, (0, Fd - hv))  # (B, H, ·, F)
-        logits = qf.float() @ kf.float().transpose(-1, -2)  # (B, H, S, C')
+        logits = (qf.float() @ k.float().transpose(-1, -2)).view(B, K, g, S, -1)  # (B, K, g, S, C')
         logits = logits * torch.tensor(1 / math.sqrt(Fd), dtype=torch.float32)
-        out = logits.masked_fill(~mask, FLASH_NEG).softmax(dim=-1).to(vf.dtype) @ vf  # (B, H, S, F)
-        return out[..., :hv].transpose(1, 2).reshape(B, S, H * hv)  # (B, S, H·hv)
-    logits = (q @ k.transpose(-1, -2)).float() / torch.sqrt(torch.tensor(hq, dtype=torch.float32))  # (B, H, S, C')
-    out = logits.masked_fill(~mask, F32_MIN).softmax(dim=-1) @ v.float()  # (B, H, S, hv)
-    return out.transpose(1, 2).reshape(B, S, H * hv)  # (B, S, H·hv)
+        p = logits.masked_fill(~mask, FLASH_NEG).softmax(dim=-1).to(v.dtype)
+        out = p.view(B, K, g * S, -1) @ v  # (B, K, g·S, hv)
+    else:
+        logits = (q @ k.transpose(-1, -2)).float() / torch.sqrt(torch.tensor(hq, dtype=torch.float32))
+        p = logits.view(B, K, g, S, -1).masked_fill(~mask, F32_MIN).softmax(dim=-1)  # (B, K, g, S, C')
+        out = p.view(B, K, g * S, -1) @ v.float()  # (B, K, g·S, hv)
+    return out.view(B, H, S, hv).transpose(1, 2).reshape(B, S, H * hv)  # (B, S, H·hv)
 
 
 def _attention_step(attn: nn.Module, x: Tensor, lc: LayerCache, cache: DecodeCache, positions: Tensor) -> Tensor:
@@ -268,10 +279,8 @@ def _attention_step(attn: nn.Module, x: Tensor, lc: LayerCache, cache: DecodeCac
         # tap j >= 1 reads t - j where this layer's mask lets t see it: the request's mask, within the window
         tap_ok = [None] + [(_seen(cache, positions, j) & (not lc.window or j < lc.window))[..., None].to(q.dtype)
                            for j in range(1, attn.config.qkv_conv_taps)]  # (B, S, 1) each
-        convs = [_conv_step(z, taps.to(dt), rows, tap_ok)
-                 for z, taps, rows in zip((q, k, v), (attn.q_taps, attn.k_taps, attn.v_taps), lc.rows, strict=True)]
-        (q, qr), (k, kr), (v, vr) = convs
-        lc.rows = (qr, kr, vr)
+        q, k, v = (_conv_step(z, taps.to(dt), rows, tap_ok)
+                   for z, taps, rows in zip((q, k, v), (attn.q_taps, attn.k_taps, attn.v_taps), lc.rows, strict=True))
     q = q.reshape(B, S, H, hq).transpose(1, 2)  # (B, H, S, hq)
     k = k.reshape(B, S, K, hq).transpose(1, 2)  # (B, K, S, hq)
     v = v.reshape(B, S, K, hv).transpose(1, 2)  # (B, K, S, hv)
@@ -335,59 +344,83 @@ def _layer_step(layer: nn.Module, lanes: Tensor, offsets: tuple[Tensor, Tensor],
             + hpost[..., None] * y.float()[:, :, None, :]).to(layer.compute_dtype)  # (B, S, n, D)
 
 
-def _engram_step(model: nn.Module, cache: DecodeCache, start: int, S: int) -> tuple[Tensor, Tensor] | None:
-    """Every site's (key, value) for the chunk of S positions from `start`, each (G, B, S, D): the forward's own
-    `_engram_kv` on the chunk behind its token history of W = (max(O) - 1) + 3·max(O) positions (the oldest value
-    row its dilated taps read, and that row's oldest n-gram token), under (causal ∧ valid) ∨ diagonal as the
-    forward's full mask. Exact: no row kept reads past the window's start, and the positions before 0 are invalid
-    zeros, as the forward's zero fill. Under a kv window the mask is the windowed one (the module docstring), as the
-    forward reads its mask."""
+def engram_step(model: nn.Module, cache: DecodeCache, positions: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Every site's (key, value) for the chunk at `positions` (S,) (consecutive), each (G, B, S, D): Engram.forward's
+    arithmetic (and model._engram_kv's validity) on the rows the chunk reads only: its own keys, and the value rows
+    its dilated taps read (t - j·dilation), hashed from the token history of W = (max(O) - 1) + 3·max(O) positions
+    before the chunk. Validity is the request's mask (_seen), as the forward reads its full mask: an n-gram row
+    r is valid where r sees r - (o - 1), a tap where t sees t - j·dilation; positions before 0 are invalid, as the
+    forward's zero fill."""
     if not len(model.engrams):
         return None
-    W = _engram_history(model.config)
-    window = slice(cache.lead + start - W, cache.lead + start + S)
-    valid = cache.valid[:, window]  # (B, W + S)
-    T = W + S
-    here = torch.arange(T, device=valid.device)
-    back = here[:, None] - here[None, :]  # (T, T)
-    ok = (back >= 0) & valid[:, None, :]  # (B, T, T)
-    if cache.kv:
-        near = back < cache.kv
-        ok = ok & (near if cache.sink is None else near | cache.sink[:, window][:, None, :])
-    mask = (ok | (back == 0))[:, None]  # (B, 1, T, T)
-    keys, values = model._engram_kv(cache.tokens[:, window], mask, cache.quant)  # (G, B, W + S, D) each
-    return keys[:, :, W:], values[:, :, W:]
+    cfg, device, S = model.config, positions.device, positions.shape[0]
+    W, dil, E = _engram_history(cfg), cfg.engram_dilation, cfg.engram_heads_resolved
+    # window offsets of the value rows the chunk reads (ascending), and for each tap j where row t - j·dil sits
+    rows = sorted({W + t - j * dil for t in range(S) for j in range(ENGRAM_TAPS)})
+    at = [[rows.index(W + t - j * dil) for t in range(S)] for j in range(ENGRAM_TAPS)]
+    window = positions[0] - W + torch.arange(W + S, device=device)  # (W + S,) positions, the oldest first
+    indices = engram_indices(cache.tokens[:, cache.lead + window], cfg)[:, rows]  # (B, R, N)
+    ngram_ok = torch.stack([_seen(cache, window[rows], o - 1) for o in cfg.engram_orders for _ in range(E)],
+                           dim=-1)  # (B, R, N)
+    tap_ok = [_seen(cache, positions, j * dil)[..., None] for j in range(ENGRAM_TAPS)]  # (B, S, 1) each
+    keys, values = [], []
+    for site in model.engrams:
+        dt, N = site.compute_dtype, site.embedding.shape[0]
+        fetched = site.embedding[torch.arange(N, device=device), indices] * ngram_ok[..., None]  # (B, R, N, s)
+        e = _aq(fetched.flatten(2).to(dt), cache.quant, site.act_bits)  # (B, R, N·s)
+        v = site.value_proj(e)  # (B, R, D)
+        taps = site.taps.to(dt)
+        keys.append(site.key_proj(e[:, at[0]]))  # (B, S, D)
+        values.append(sum(taps[j] * v[:, at[j]] * tap_ok[j] for j in range(ENGRAM_TAPS)))  # (B, S, D)
+    return torch.stack(keys), torch.stack(values)
 
 
 def layer_decode(layer: nn.Module, lanes: Tensor, lc: LayerCache, cache: DecodeCache, positions: Tensor,
-                 engram_kv: tuple[Tensor, Tensor] | None, site_flags: Tensor, offsets: tuple[Tensor, Tensor]) -> Tensor:
+                 engram_kv: tuple[Tensor, Tensor] | None) -> Tensor:
     """One layer of decode_step at `positions` (S,): lanes (B, S, n, D) in dt -> the new lanes, updating lc. Its
     arguments are tensors, the layer and the cache, so that one traced graph serves every layer of a kind
     (needle_torch.fast.v3)."""
     attention = functools.partial(_attention_step, layer.block.self_attn, lc=lc, cache=cache, positions=positions)
-    return _layer_step(layer, lanes, offsets, attention, engram_kv, site_flags, cache.quant)
+    return _layer_step(layer, lanes, lc.offsets, attention, engram_kv, lc.site_flags, cache.quant)
 
 
 def decode_step(model: nn.Module, tokens: Tensor, cache: DecodeCache, pos: int, last_only: bool = False,
-                layer_step: Callable[..., Tensor] = layer_decode) -> Tensor:
+                step: Callable[..., Tensor] | None = None) -> Tensor:
     """Feed tokens (B, S) at buffer positions pos..pos + S - 1 (pos 0 with the prompts: the prefill; then one token
-    a step), updating the cache: float32 logits (B, S, V_out), or (B, 1, V_out) with last_only. layer_step runs
-    each layer (layer_decode's arguments: needle_torch.fast.v3 passes its compiled graphs)."""
+    a step), updating the cache: float32 logits (B, S, V_out), or (B, 1, V_out) with last_only. step: what runs
+    decode_positions' arguments (needle_torch.fast.v3 passes one with compiled parts)."""
+    S = tokens.shape[1]
+    cache.tokens[:, cache.lead + pos:cache.lead + pos + S] = tokens
+    positions = torch.arange(pos, pos + S, device=tokens.device)  # (S,)
+    return (step or decode_positions)(model, tokens, cache, positions, last_only)
+
+
+def decode_layers(layers: list[tuple[nn.Module, LayerCache]], lanes: Tensor, cache: DecodeCache, positions: Tensor,
+                  engram_kv: tuple[Tensor, Tensor] | None) -> Tensor:
+    """The (layer, its cache) pairs in turn on lanes (B, S, n, D) -> the new lanes."""
+    for layer, lc in layers:
+        lanes = layer_decode(layer, lanes, lc, cache, positions, engram_kv)
+    return lanes
+
+
+def step_logits(model: nn.Module, lanes: Tensor, quant: bool) -> Tensor:
+    """Stack.forward's end and the logits: lanes (B, S, n, D) -> float32 (B, S, V_out)."""
+    return model._logits(model.stack.final_norm(lanes.mean(dim=2)), quant)
+
+
+def decode_positions(model: nn.Module, tokens: Tensor, cache: DecodeCache, positions: Tensor, last_only: bool,
+                     engram: Callable = engram_step, layers: Callable = decode_layers,
+                     logits: Callable = step_logits) -> Tensor:
+    """decode_step's model part: the tokens (B, S), already in cache.tokens, at `positions` (S,) -> the logits.
+    engram, layers, logits: engram_step's, decode_layers' and step_logits' arguments (the fast step compiles them)."""
     cfg = model.config
     B, S = tokens.shape
-    positions = torch.arange(pos, pos + S, device=tokens.device)  # (S,)
-    cache.tokens[:, cache.lead + pos:cache.lead + pos + S] = tokens
-    engram_kv = _engram_step(model, cache, pos, S)
+    engram_kv = engram(model, cache, positions)
     x = model._input_embeddings(tokens)  # (B, S, D)
     lanes = x.to(model.stack.compute_dtype)[:, :, None, :].expand(B, S, cfg.mhc_lanes, cfg.d_model)  # (B, S, n, D)
-    for i, (layer, lc) in enumerate(zip(model.stack.layers, cache.layers, strict=True)):
-        if lc is None:
-            continue
-        flags = torch.tensor([float(site == i) for site in cfg.engram_layers], device=x.device)  # (G,)
-        lanes = layer_step(layer, lanes, lc, cache, positions, engram_kv, flags,
-                           _lane_offsets(lc.lane, cfg.mhc_lanes, x.device))
-    x = model.stack.final_norm(lanes.mean(dim=2))  # (B, S, D)
-    return model._logits(x[:, -1:] if last_only else x, cache.quant)
+    active = [(layer, lc) for layer, lc in zip(model.stack.layers, cache.layers, strict=True) if lc is not None]
+    lanes = layers(active, lanes, cache, positions, engram_kv)
+    return logits(model, lanes[:, -1:] if last_only else lanes, cache.quant)
 
 
 # ----------------------------------------------------------------------------- the loops
@@ -418,7 +451,7 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int 
              kv_window: int | None = None, sink=None, quant: bool = False, temperature: float = 0.0,
              seed: int | None = None, eos_token_id: int | None = EOS_ID, pad_token_id: int = PAD_ID,
              return_logits: bool = False, return_logprobs: bool = False, streamer: Streamer | None = None,
-             compile: bool = False):
+             compile: bool = False, fast: bool = True):
     """Cached generation: the new tokens LongTensor (B, max_new_tokens), plus (logits, logprobs) on request.
 
     tokens: (B, P) prompts (BOS included), left-padded with pad_token_id; P + max_new_tokens <= max_seq_len.
@@ -435,11 +468,21 @@ def generate(model: nn.Module, tokens, max_new_tokens: int = 64, *, layers: int 
     (B, steps, V_out) each token came from; return_logprobs: the chosen tokens' log-probabilities (B, steps), 0
     after a row's EOS. streamer: called with each step's (B,) tokens on the CPU. compile: the one-token steps
     through torch.compile (needle_torch.fast.v3.compiled_step: the same tokens, logits up to the order of float32
-    sums; the first request of a shape compiles)."""
+    sums; the first request of a shape compiles). fast: the compiled graphs take needle_torch.fast.v3's forms of
+    the plain pieces (few-row products as fused multiply-and-sums; the same function up to the order of float32
+    sums); False compiles the plain pieces. Eager steps run the plain pieces either way."""
     prompts, valid, sink, sampler, eos = _prepare(model, tokens, max_new_tokens, kv_window, sink, layers,
                                                   temperature, seed, eos_token_id, pad_token_id)
+    with fast_paths(model, fast and compile):
+        return _generate(model, prompts, valid, sink, sampler, eos, int(max_new_tokens), kv_window, layers, quant,
+                         pad_token_id, return_logits, return_logprobs, streamer, compile)
+
+
+def _generate(model, prompts, valid, sink, sampler, eos, G, kv_window, layers, quant, pad_token_id, return_logits,
+              return_logprobs, streamer, compile):
+    """generate's body, inside seam.fast_paths."""
     B, P = prompts.shape
-    G, device = int(max_new_tokens), prompts.device
+    device = prompts.device
     cache = new_cache(model, B, P + G, valid, kv_window, layers, sink, quant)
     prefill = decode_step(model, prompts, cache, 0, last_only=True)[:, 0]  # (B, V_out): chooses token 0
     eos_t, pad_t = (torch.tensor(i, device=device) for i in (eos, pad_token_id))
@@ -489,5 +532,5 @@ def generate_recompute(model: nn.Module, tokens, max_new_tokens: int = 64, *, la
     return _loop(advance, sampler, B, G, device, eos, pad_token_id, streamer, return_logits, return_logprobs)
 
 
-__all__ = ["DecodeCache", "LayerCache", "decode_step", "generate", "generate_recompute", "kv_bound", "layer_decode",
-           "new_cache"]
+__all__ = ["DecodeCache", "LayerCache", "decode_layers", "decode_positions", "decode_step", "engram_step", "generate",
+           "generate_recompute", "kv_bound", "layer_decode", "new_cache", "step_logits"]

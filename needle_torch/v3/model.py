@@ -42,12 +42,10 @@ from needle_torch.layers import (
 )
 from needle_torch.pretrained import Pretrained
 from needle_torch.v2.lanes import fake_quant_act, rms_unit, sinkhorn
+from needle_torch.v3.engram import engram_indices, shift_right
 from needle_torch.v3.generate import generate as generate_cached
 from needle_torch.v3.quant import head_weight, quant_kv, quant_query
 
-HASH_SEED = 0x9E3779B9  # table (oi, e) starts from SEED·(oi·σ + e + 1) mod 2^32
-HASH_PRIME = 0x01000193  # FNV-1a's 32-bit prime
-MASK32 = 0xFFFFFFFF
 F32_MIN = torch.finfo(torch.float32).min  # the non-flash path's masked logit
 FLASH_NEG = -0.7 * torch.finfo(torch.float32).max  # what jax.nn.dot_product_attention writes at masked logits
 DEFAULT_HEADS = tuple(HEADS)  # ("embedding_head", "confidence_head", "router_head")
@@ -62,14 +60,6 @@ def make_window_mask(seq_len: int, window: int, device=None) -> Tensor:
     return ((i[:, None] - i[None, :]) < window)[None, None]  # (1, 1, T, T)
 
 
-def shift_right(x: Tensor, offset: int) -> Tensor:
-    """x[:, t - offset] along the time axis 1, zeros before the start (upstream's _shift_right)."""
-    if offset == 0:
-        return x
-    zeros = x.new_zeros((x.shape[0], offset, *x.shape[2:]))
-    return torch.cat([zeros, x], dim=1)[:, :x.shape[1]]
-
-
 def mask_diag(mask: Tensor, offset: int) -> Tensor:
     """d[b, t] = mask[b, 0, t, t - offset], False for t < offset: (B|1, 1, T, T) -> (B|1, T) (upstream's _mask_diag)."""
     m = mask[:, 0]  # (B|1, T, T)
@@ -80,25 +70,6 @@ def mask_diag(mask: Tensor, offset: int) -> Tensor:
     if offset == 0:
         return d
     return torch.cat([d.new_zeros(d.shape[:-1] + (offset,)), d], dim=-1)
-
-
-def engram_indices(tokens: Tensor, config: TransformerConfig) -> Tensor:
-    """Table rows (B, T, N) int64 for table oi·E + e: acc = SEED·(oi·σ + e + 1); for j < order acc = (acc XOR
-    u[t - j])·PRIME (zeros before the start are hashed; the masks drop them later); acc ^= acc >> 15; mod S.
-
-    Upstream hashes in uint32; torch has no dependable uint32 multiply, so this runs in int64 reduced mod 2^32
-    after every multiply (products stay below 2^57), which makes the final shift the logical one."""
-    u = tokens.long() & MASK32
-    E, sigma, S = config.engram_heads_resolved, config.engram_seed_stride, config.engram_slots
-    idx = []
-    for oi, order in enumerate(config.engram_orders):
-        for e in range(E):
-            acc = torch.full_like(u, (HASH_SEED * (oi * sigma + e + 1)) & MASK32)
-            for j in range(order):
-                acc = ((acc ^ shift_right(u, j)) * HASH_PRIME) & MASK32
-            acc = acc ^ (acc >> 15)
-            idx.append(acc % S)
-    return torch.stack(idx, dim=-1)  # (B, T, N)
 
 
 def _sigmoid(x: Tensor) -> Tensor:

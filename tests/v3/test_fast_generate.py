@@ -1,5 +1,6 @@
-"""generate(..., compile=True) (needle_torch.fast.v3: each layer of the one-token steps a compiled graph of the plain
-layer_decode) is the plain cached generation: tokens exactly, each step's float32 logits within the float32 budget.
+"""generate(..., compile=True) (needle_torch.fast.v3: the one-token steps' engram, runs of layers and logits compiled
+graphs of the plain pieces, few-row products as multiply-and-sums) is the plain cached generation: tokens exactly,
+each step's float32 logits within the float32 budget.
 
 The model is the smallest with both graph kinds, one local and one global layer (random weights, std 0.2, sampled hot
 so the fed tokens vary), with left-padded rows, an engram site, conv taps and a local ring of 4 slots that 20 new
@@ -17,6 +18,7 @@ from torch._dynamo.utils import counters
 import convert
 from convert.v3 import TransformerConfig
 from needle_torch.fast.kernels import CompileFallbackWarning
+from needle_torch.fast.v3 import run_length
 from needle_torch.v3 import SimpleAttentionNetwork
 from tests.torch_threads import torch_threads
 from tests.v3 import goldens
@@ -66,7 +68,7 @@ def test_compiled_steps_give_the_plain_tokens_and_logits(model):
         assert len(torch.unique(out)) > 10, "hot sampling should vary the fed tokens"
         if request == 0:
             first = graphs()
-    assert 1 <= first - before <= 2, "one graph per layer kind (local, global), unless an earlier test made them"
+    assert 1 <= first - before <= 3, "the engram, one run of both layers, the logits (unless an earlier test made them)"
     assert graphs() == first, "a second request of the same shapes reuses the graphs"
 
 
@@ -92,3 +94,13 @@ def test_compiled_steps_under_a_kv_window_with_sinks(model):
         out, logits = model.generate(tokens, G, compile=True, **kw)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert step_rel(logits, ref_logits) <= F32_REL
+
+
+def test_layers_run_in_the_shortest_run_of_kinds_that_tiles_the_stack():
+    L, G = "local", "global"
+    assert run_length([L, L, L, L, G] * 4) == 5  # the default config: one graph, called 4 times a step
+    assert run_length([L, G]) == 2
+    assert run_length([L] * 6) == 1
+    assert run_length([L, L, G] * 3, longest=2) == 1  # a longer period: a graph per layer
+    assert run_length([L, G, L, L]) == 4  # the whole stack is a run
+    assert run_length([L, G, L, L, L, G]) == 1  # no run of at most 5 tiles it

@@ -45,6 +45,11 @@ DTYPES = {"float32": "f32/", "bfloat16": "bf16/"}
 # bf16's 1.2266; 1.1547 vs 1.15625 at the default dims) moves the logits by, and below one bf16 ulp at max|ref|
 # (2^-8 = 3.9e-3), so a single rounding taken differently from upstream shows.
 BF16_REL = 1e-3
+# The probe-pooled arrays (hidden_cells and the heads) on a CPU whose XLA code differs from the goldens' machine (no
+# AVX-512: bf16 converts and pooling fused otherwise) round in other places: measured up to 3.6e-3 (embedding) on an
+# AVX2-only AMD EPYC, 0 with AVX-512. Two bf16 ulps at max|ref| (2 · 2^-8); the logits keep 1e-3 (0 on both kinds).
+BF16_POOLED_REL = 7.8e-3
+POOLED = ("hidden_cells", "embedding", "confidence", "router")
 BF16_TOP1 = 0.99  # the fixture's bf16 vs f32 agree at 100 %; a rounding flip may swap a near tie
 RELS = {"float32": F32_REL, "bfloat16": BF16_REL}
 # What each golden array is, per upstream's call (tests/data/README-v3.md); a new key fails until it is added here.
@@ -194,11 +199,17 @@ def test_every_golden_array(outputs, name, dtype):
             report = goldens.twin_quant_flips(g.config_for(dtype), g.params, g.arrays["tokens"])
             assert report.ok, report.summary()
             errors[key] = flips.masked_rel(got[key], ref, report.affected)  # outside the flips' reach
+            if errors[key] > F32_REL:  # against upstream's codes, unknown: goldens.GOLDEN_ULPS
+                report = goldens.twin_quant_flips(g.config_for(dtype), g.params, g.arrays["tokens"],
+                                                  near=goldens.GOLDEN_ULPS)
+                assert report.ok, report.summary()
+                errors[key] = flips.masked_rel(got[key], ref, report.affected)
             continue
         if key.endswith("logits"):
             assert top1_agreement(got[key], ref) >= (1.0 if dtype == "float32" else BF16_TOP1), key
-    bad = {k: e for k, e in errors.items() if not e <= RELS[dtype]}
-    assert not bad, f"{name} {dtype}: over {RELS[dtype]:g}: {bad} (all: {errors})"
+    budget = {k: BF16_POOLED_REL if dtype == "bfloat16" and k in POOLED else RELS[dtype] for k in errors}
+    bad = {k: e for k, e in errors.items() if not e <= budget[k]}
+    assert not bad, f"{name} {dtype}: over budget: {bad} (budgets {budget}; all: {errors})"
 
 
 # ----------------------------------------------------------------------------- params: names, shapes, counts

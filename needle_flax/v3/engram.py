@@ -1,0 +1,40 @@
+"""Needle 3's engram hashing (NEEDLE_V3.md §3.4), shared by the model and the cached decoder: the twin of
+needle_torch/v3/engram.py."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from convert.v3 import TransformerConfig
+
+HASH_SEED = 0x9E3779B9  # table (oi, e) starts from HASH_SEED·(oi·σ + e + 1) mod 2³²
+HASH_PRIME = 0x01000193  # the FNV-1a prime
+HASH_SHIFT = 15
+
+
+def shift_right(x, offset: int):
+    """x moved `offset` steps later on the time axis (axis 1), zeros shifted in at the start."""
+    if offset == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (offset, 0)
+    return jnp.pad(x, pad)[:, : x.shape[1]]
+
+
+def engram_indices(tokens, config: TransformerConfig):
+    """(B, T, N) int32 table rows: an FNV-style hash of the last o tokens per table in uint32 arithmetic. The seed
+    stride σ (not E) keeps a width-halved child's tables on their parent's seeds."""
+    u = tokens.astype(jnp.uint32)
+    E, stride, rows = config.engram_heads_resolved, config.engram_seed_stride, []
+    for oi, order in enumerate(config.engram_orders):
+        for e in range(E):
+            seed = (HASH_SEED * (oi * stride + e + 1)) & 0xFFFFFFFF
+            acc = jnp.full_like(u, jnp.uint32(seed))
+            for j in range(order):  # j = 0 is the current token
+                acc = (acc ^ shift_right(u, j)) * jnp.uint32(HASH_PRIME)
+            acc = acc ^ (acc >> jnp.uint32(HASH_SHIFT))
+            rows.append((acc % jnp.uint32(config.engram_slots)).astype(jnp.int32))
+    return jnp.stack(rows, axis=-1)  # (B, T, N)
+
+
+__all__ = ["HASH_PRIME", "HASH_SEED", "HASH_SHIFT", "engram_indices", "shift_right"]
