@@ -64,7 +64,7 @@ FIRST_PLAIN_ID = 20  # PAD, EOS, BOS, UNK and 16 chat markers come first
 METHODS = ("upstream", "flax", "torch-eager", "torch-compiled-plain", "torch-compiled")
 NAMES = {"upstream": "upstream run.generate loop", "flax": "Flax cached", "torch-eager": "torch eager",
          "torch-compiled-plain": "torch plain + compile", "torch-compiled": "torch compiled"}
-UPSTREAM_PYTHON = Path("/work/main/.upstream-venv/bin/python")
+UPSTREAM_PYTHON = REPO / ".upstream-venv" / "bin" / "python"  # tools/upstream_goldens.sh builds it
 QUICK_FIELDS = dict(vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, num_layers=4, qk_head_dim=16,
                     v_head_dim=16, engram_layers=(1, 3), engram_slots=61, global_layers=(3,), sliding_window=64,
                     max_seq_len=512, embedding_dim=16)

@@ -69,7 +69,7 @@ SWAPS = ((SimpleAttentionNetwork, "_logits", logits),)
 LINEAR = None
 
 # Inductor's C++ wrapper: a graph's kernels called from C++, not from Python (a batch-1 step of the default config
-# 17.5 against 21.3 ms on a 2-core Zen 4).
+# 17.5 against 21.3 ms on a 2-core AVX2-only AMD EPYC).
 GRAPH_OPTIONS = {"cpp_wrapper": True}
 LONGEST_RUN = 5  # layers in one graph at most: the default config's period (4 local, 1 global); compile time grows
 
