@@ -6,19 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from convert.v3 import TransformerConfig
-
-HASH_SEED = 0x9E3779B9  # table (oi, e) starts from HASH_SEED·(oi·σ + e + 1) mod 2³²
-HASH_PRIME = 0x01000193  # the FNV-1a prime
-HASH_SHIFT = 15
-
-
-def shift_right(x, offset: int):
-    """x moved `offset` steps later on the time axis (axis 1), zeros shifted in at the start."""
-    if offset == 0:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (offset, 0)
-    return jnp.pad(x, pad)[:, : x.shape[1]]
+from needle_flax.v2.engram import HASH_PRIME, HASH_SEED, HASH_SHIFT, shift_right  # Needle 2's hash, unchanged
 
 
 def engram_indices(tokens, config: TransformerConfig):
