@@ -211,12 +211,15 @@ def test_bfloat16_reproduces_upstreams_run_loop_where_bf16_decides(bf16, fx, whi
 def test_cached_equals_recompute_in_bfloat16(bf16, fx, prompts):
     """The same bf16 arithmetic on both paths (the cache holds K/V in the compute dtype, exactly what the
     forward attends over); only matmul shapes differ, so the logits stay within one bf16 ulp (measured 2e-7
-    batch 1, 3.7e-3 for the left-padded batch)."""
+    batch 1, 3.7e-3 for the left-padded batch). On a CPU without bf16 units bf16 products run as float32 ones on
+    upcast operands (kernels.bf16_path), where the two paths' shapes round apart further: three ulps there
+    (measured 9.2e-3 for the left-padded batch on an AVX2-only AMD EPYC)."""
     kw = dict(return_logits=True)
     tokens_c, logits_c = generate(bf16, fx["g"][prompts], 8, **kw)
     tokens_r, logits_r = generate_recompute(bf16, fx["g"][prompts], 8, **kw)
     assert torch.equal(tokens_c, tokens_r)
-    assert rel(logits_c, logits_r) <= BF16_ULP_REL
+    ulps = 3 if kernels.upcasts(torch.bfloat16, torch.device("cpu")) else 1
+    assert rel(logits_c, logits_r) <= ulps * BF16_ULP_REL
 
 
 # ----------------------------------------------------------------------------- cached == recompute, random models
