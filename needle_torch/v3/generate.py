@@ -87,8 +87,9 @@ class LayerCache:
     slot_pos: Tensor  # (C,) int64: the buffer position each slot holds, -1 while empty
     window: int  # a query at q sees keys with q - k < window (0: every earlier key)
     rows: tuple[Tensor, Tensor, Tensor] | None  # (B, τ - 1, H·hq), (B, τ - 1, K·hq), (B, τ - 1, K·hv); None: τ = 0
-    lane: int  # this layer's lane in its stream: l mod n, or its position among a rung's layers mod n
-    offsets: tuple[Tensor, Tensor]  # model._lane_offsets of this lane: (pre_off, post_off) (n,) float32
+    # model._lane_offsets of this layer's lane in its stream (l mod n, or its position among a rung's layers mod n):
+    # (pre_off, post_off) (n,) float32
+    offsets: tuple[Tensor, Tensor]
     site_flags: Tensor  # (G,) float32: 1 at this layer's engram site (if it is one), else 0
     # the sink positions' K, V once fed (global layers under a kv_window with sinks; else None): past the ring's
     # window a sink is read from here
@@ -176,7 +177,7 @@ def new_cache(model: nn.Module, batch: int, max_len: int, valid: Tensor | None =
                                           for c in (H * hq, K * hq, K * hv))
         lc = LayerCache(torch.zeros(batch, K, C, hq, dtype=dt, device=device),
                         torch.zeros(batch, K, C, hv, dtype=dt, device=device),
-                        torch.full((C,), -1, dtype=torch.long, device=device), window, rows, lane,
+                        torch.full((C,), -1, dtype=torch.long, device=device), window, rows,
                         _lane_offsets(lane, cfg.mhc_lanes, device),
                         torch.tensor([float(site == i) for site in cfg.engram_layers], device=device))
         if sink_cols is not None and global_layer:  # a global layer's ring ends at kv; its sinks live on here

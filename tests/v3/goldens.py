@@ -82,12 +82,12 @@ def _map(fn, tree):
 GOLDEN_ULPS = 4.0
 
 
-def twin_quant_flips(config: TransformerConfig, params: dict, tokens: np.ndarray, near: float = 0.0):
-    """Both twins' float32 quant=True forwards traced at every A8 quantizer, compared (parity_tests/flips.py): the
-    report's `affected` positions are where a rounding flip between two correct runs reached, and with near > 0 also
-    where an element lies within `near` ulps of a boundary (GOLDEN_ULPS: a flip against upstream's goldens, whose
-    codes are unknown). XLA's fusion (and so which values sit a few ulps off a boundary) depends on its flags and the
-    CPU, so upstream's goldens are judged outside them."""
+def twin_quant_flips(config: TransformerConfig, params: dict, tokens: np.ndarray):
+    """Both twins' float32 quant=True forwards traced at every A8 quantizer, compared (parity_tests/flips.py):
+    (the report, whose `affected` positions are where a rounding flip between two correct runs reached; the same
+    report with also the positions from an element within GOLDEN_ULPS of a boundary on, for a flip against
+    upstream's goldens, whose codes are unknown). XLA's fusion (and so which values sit a few ulps off a boundary)
+    depends on its flags and the CPU, so upstream's goldens are judged outside them."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -108,6 +108,5 @@ def twin_quant_flips(config: TransformerConfig, params: dict, tokens: np.ndarray
     with torch.no_grad(), flips.trace_torch(model) as torch_calls:
         model(torch.as_tensor(tokens).long(), quant=True)
     report = flips.compare(flax_calls, torch_calls)
-    if not near:
-        return report
-    return dataclasses.replace(report, affected=report.affected | flips.near_boundary(flax_calls, near))
+    near = flips.near_boundary(flax_calls, GOLDEN_ULPS)
+    return report, dataclasses.replace(report, affected=report.affected | near)
