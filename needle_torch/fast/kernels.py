@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 # ----------------------------------------------------------------------------- the switch the fast forms read
@@ -155,6 +156,32 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     if upcasts(a.dtype, a.device):
         return (a.float() @ b.float()).to(a.dtype)
     return a @ b
+
+
+# The products UpcastProducts reroutes: each one accumulates in float32 and rounds its result once.
+_PRODUCTS = frozenset({torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.mm, Tensor.mm,
+                       F.linear, torch.einsum})
+
+
+class UpcastProducts(TorchFunctionMode):
+    """While active, every product of bf16 CPU tensors that bf16_path upcasts runs as the float32 product of the
+    upcast operands rounded once to bf16: the same function, through float32 kernels (also inside torch.compile,
+    which traces the mode). An einsum of three or more operands rounds between its products, so it passes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _PRODUCTS:
+            return func(*args, **kwargs)
+        operands = args[1:] if func is torch.einsum else args
+        if func is torch.einsum and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = tuple(operands[0])  # einsum(eq, [a, b])
+        tensors = [t for t in (*operands, *kwargs.values()) if isinstance(t, Tensor)]
+        if not tensors or (func is torch.einsum and len(tensors) != 2) or not all(
+                upcasts(t.dtype, t.device) for t in tensors):
+            return func(*args, **kwargs)
+        up = [t.float() if isinstance(t, Tensor) else t for t in operands]
+        wide = {k: v.float() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        return (torch.einsum(args[0], *up) if func is torch.einsum else func(*up, **wide)).to(torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- float32 products by CPU vendor

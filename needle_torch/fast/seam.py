@@ -1,25 +1,28 @@
 """The one switch between the plain twins and their fast forms: `fast_paths(model)`.
 
-The model files (needle_torch/v1, needle_torch/v2) are the definition and know nothing of this package. While a
+The model files (needle_torch/v1, v2, v3) are the definition and know nothing of this package. While a
 `fast_paths(model)` block runs, the pieces a family's fast module lists (`needle_torch.fast.<family>.SWAPS`) are
 replaced by their fast forms, and the model's `nn.Linear` modules (and those the family's `module_swaps` names)
 change class to a subclass with a fast forward and the same parameters (`LINEAR`); everything is put back when the
-block ends, also on an error. Each piece is registered once, in the family's `PIECES`, with what switches it off
-(`without`), so that a benchmark can weigh it on its own and removing it is deleting its entry and its code.
+block ends, also on an error. A family that sets UPCAST_PRODUCTS runs a bf16 model's block under
+kernels.UpcastProducts (bf16 products as float32 ones where the CPU has no bf16 units). Each piece is registered
+once, in the family's `PIECES`, with what switches it off (`without`), so that a benchmark can weigh it on its own
+and removing it is deleting its entry and its code.
 Every fast form computes the same function as the piece it replaces, up to the order of float32 sums.
 
 `generate(..., fast=True)` (the default) runs its request inside this block; `fast=False` runs the plain modules.
-Needle 3 swaps nothing: its fast module offers the compiled decoding step that `generate(..., compile=True)` takes
-through `forms(model)`.
+Needle 3's fast module also offers the compiled decoding step that `generate(..., compile=True)` takes through
+`forms(model)`.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 
+import torch
 from torch import nn
 
 from needle_torch.fast import kernels
@@ -57,13 +60,21 @@ def fast_paths(model: nn.Module, on: bool = True) -> Iterator[ModuleType | None]
             setattr(owner, name, form)
         for m, cls in retyped:
             m.__class__ = cls
-        with kernels.switched(True):
+        with kernels.switched(True), _products(fast, model):
             yield fast
     finally:
         for m, cls in reversed(before):
             m.__class__ = cls
         for owner, name, _, plain in reversed(swaps):
             setattr(owner, name, plain)
+
+
+def _products(fast: ModuleType, model: nn.Module) -> AbstractContextManager:
+    """kernels.UpcastProducts for a family that asks for it (UPCAST_PRODUCTS) and a model computing in bf16 (its
+    config's dtype, or bf16 parameters)."""
+    dtype = getattr(getattr(model, "config", None), "dtype", None)
+    bf16 = dtype in ("bfloat16", torch.bfloat16) or any(p.dtype == torch.bfloat16 for p in model.parameters())
+    return kernels.UpcastProducts() if getattr(fast, "UPCAST_PRODUCTS", False) and bf16 else nullcontext()
 
 
 @contextmanager

@@ -67,6 +67,7 @@ _PLAIN_LOGITS = SimpleAttentionNetwork._logits
 # What replaces the plain pieces inside fast_paths: (owner, attribute, fast form).
 SWAPS = ((SimpleAttentionNetwork, "_logits", logits),)
 LINEAR = None
+UPCAST_PRODUCTS = True  # bf16 products as float32 ones where the CPU has no bf16 units (kernels.UpcastProducts)
 
 # Inductor's C++ wrapper: a graph's kernels called from C++, not from Python (a batch-1 step of the default config
 # 17.5 against 21.3 ms on a 2-core AVX2-only AMD EPYC).
@@ -104,5 +105,5 @@ def compiled_step(model: nn.Module):
     return functools.partial(decode_step, step=step)
 
 
-__all__ = ["GRAPH_OPTIONS", "LINEAR", "LONGEST_RUN", "SWAPS", "Dense", "compiled_step", "logits", "module_swaps",
-           "run_length"]
+__all__ = ["GRAPH_OPTIONS", "LINEAR", "LONGEST_RUN", "SWAPS", "UPCAST_PRODUCTS", "Dense", "compiled_step", "logits",
+           "module_swaps", "run_length"]

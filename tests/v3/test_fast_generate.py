@@ -9,15 +9,21 @@ of CPU); a second request of the same shapes compiles nothing."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import convert
+import needle_torch.fast.v3 as fast_v3
 from convert.v3 import TransformerConfig
+from needle_torch.fast import kernels
 from needle_torch.fast.kernels import CompileFallbackWarning
+from needle_torch.fast.seam import fast_paths
 from needle_torch.fast.v3 import run_length
 from needle_torch.v3 import SimpleAttentionNetwork
 from tests.torch_threads import torch_threads
@@ -104,3 +110,105 @@ def test_layers_run_in_the_shortest_run_of_kinds_that_tiles_the_stack():
     assert run_length([L, L, G] * 3, longest=2) == 1  # a longer period: a graph per layer
     assert run_length([L, G, L, L]) == 4  # the whole stack is a run
     assert run_length([L, G, L, L, L, G]) == 1  # no run of at most 5 tiles it
+
+
+# ----------------------------------------------------------------------------- bf16 products through float32 kernels
+
+
+@pytest.fixture
+def upcast(monkeypatch):
+    """This process's bf16 products through the upcast path, whatever the CPU (read per call)."""
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: False)
+
+
+class ProductDtypes(TorchDispatchMode):
+    """Collects the operand dtype of every product kernel (aten ops named *mm*) called inside it."""
+
+    def __enter__(self):
+        self.dtypes = []
+        super().__enter__()
+        return self.dtypes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "mm" in func.__name__:
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", ["matmul", "operator", "bmm", "linear", "einsum", "einsum_list"])
+def test_upcast_products_are_bf16_products_through_float32_kernels(upcast, op):
+    """Each product of bf16 operands comes out in bf16, equal to the float64 product rounded once. Any float32
+    evaluation is within 48·2⁻²⁴·(|a|·|b|) of it (48 terms, each product of bf16 values exact in float32),
+    so each element lies between that interval's ends rounded to bf16 (one value for most elements)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(3, 5, 48, generator=g).bfloat16(), torch.randn(3, 48, 7, generator=g).bfloat16())
+    call = {"matmul": lambda: torch.matmul(a, b), "operator": lambda: a @ b, "bmm": lambda: torch.bmm(a, b),
+            "linear": lambda: F.linear(a, b[0].T), "einsum": lambda: torch.einsum("bij,bjk->bik", a, b),
+            "einsum_list": lambda: torch.einsum("bij,bjk->bik", [a, b])}[op]
+    exact = b[0].double().T if op == "linear" else b.double()
+    exact = a.double() @ (exact.T if op == "linear" else exact)
+    bound = 48 * 2.0 ** -24 * (a.double().abs() @ (b[0].T.double().abs().T if op == "linear" else b.double().abs()))
+    lo, hi = (exact - bound).bfloat16(), (exact + bound).bfloat16()
+    with kernels.UpcastProducts(), ProductDtypes() as kernels_ran:
+        got = call()
+    assert kernels_ran and set(kernels_ran) == {torch.float32}, "the products ran as float32 kernels"
+    with ProductDtypes() as plain_ran:
+        call()
+    assert torch.bfloat16 in plain_ran, "without the mode they are bf16 kernels"
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    assert ((lo <= got) & (got <= hi)).all()
+    assert (lo == hi).float().mean() > 0.5, "most elements are unambiguous: the check has teeth"
+
+
+def test_upcast_products_leave_other_calls_alone(monkeypatch):
+    """A three-operand einsum (it rounds between its products), float32 operands and a CPU with bf16 units pass
+    through unchanged: bit for bit the plain call."""
+    g = torch.Generator().manual_seed(1)
+    a, b, c = (torch.randn(4, 4, generator=g).bfloat16() for _ in range(3))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kernels, "_native_bf16", lambda: False)
+        with kernels.UpcastProducts():
+            three, f32 = torch.einsum("ij,jk,kl->il", a, b, c), a.float() @ b.float()
+    torch.testing.assert_close(three, torch.einsum("ij,jk,kl->il", a, b, c), rtol=0, atol=0)
+    torch.testing.assert_close(f32, a.float() @ b.float(), rtol=0, atol=0)
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: True)
+    with kernels.UpcastProducts():
+        native = a @ b
+    torch.testing.assert_close(native, a @ b, rtol=0, atol=0)
+
+
+# Compiled against eager bf16 logits, per step: 1.6e-2 relative, four bf16 ulps (2⁻⁸ each). Inductor keeps a fused
+# chain's bf16 intermediates in float32 where eager rounds each op; measured 2.9e-3 at most on a 2-core AVX2 EPYC.
+BF16_COMPILED_REL = 4 * 2.0 ** -8
+
+
+@pytest.mark.slow  # a bf16 model compiles its own graphs: ~40 s of CPU
+def test_compiled_bf16_steps_with_upcast_products_give_the_plain_tokens(model, upcast):
+    """A bf16 model's compiled steps under UpcastProducts (forced here, whatever the CPU): traced without a fallback,
+    the plain greedy tokens (every top-2 margin is far above the logits' budget) and logits within the budget."""
+    half = SimpleAttentionNetwork(model.config.replace(dtype="bfloat16"), groups=())
+    half.load_state_dict(model.state_dict())
+    tokens, kw = prompts(0), dict(eos_token_id=None, return_logits=True)
+    ref, ref_logits = half.eval().generate(tokens, G, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        out, logits = half.generate(tokens, G, compile=True, **kw)
+    top2 = ref_logits.topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 2 * BF16_COMPILED_REL * ref_logits.abs().max()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert step_rel(logits, ref_logits) <= BF16_COMPILED_REL
+
+
+def test_fast_paths_take_the_upcast_mode_for_a_bf16_model_only(model):
+    """seam.fast_paths enters UpcastProducts for Needle 3 with bf16 parameters, not for a float32 model."""
+    assert fast_v3.UPCAST_PRODUCTS
+    with fast_paths(model):
+        assert not any(isinstance(m, kernels.UpcastProducts) for m in _modes())
+    for half in (copy.deepcopy(model).bfloat16(), SimpleAttentionNetwork(model.config.replace(dtype="bfloat16"))):
+        with fast_paths(half):  # bf16 parameters, or float32 ones and a bf16 compute dtype
+            assert any(isinstance(m, kernels.UpcastProducts) for m in _modes())
+    assert not any(isinstance(m, kernels.UpcastProducts) for m in _modes())
+
+
+def _modes() -> list:
+    return list(torch.overrides._get_current_function_mode_stack())
