@@ -22,7 +22,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from needle_torch.fast.kernels import CompiledStep, as_reduction, matmul_nt, stored
+from needle_torch.fast.kernels import CompiledStep, as_reduction, linear_f32, matmul_nt, stored, upcasts
 from needle_torch.v3.generate import LayerCache, decode_layers, decode_positions, decode_step, engram_step, step_logits
 from needle_torch.v3.model import SimpleAttentionNetwork, _aq, _Dense
 
@@ -38,12 +38,15 @@ def _dense(t: Tensor) -> Tensor:
 
 
 class Dense(_Dense):
-    """_Dense (the same parameters) whose few-row products in a compiled CPU graph are multiply-and-sums."""
+    """_Dense (the same parameters) whose few-row products in a compiled CPU graph are multiply-and-sums, and whose
+    other bf16 products on the upcast path (kernels.bf16_path) are kernels.linear_f32's."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not as_reduction(x.shape[:-1].numel(), x.device):
-            return super().forward(x)
         dt = self.compute_dtype
+        if not as_reduction(x.shape[:-1].numel(), x.device):
+            if upcasts(dt, x.device):  # against a kept float32 copy of the bf16 weight where linear_f32 packs one
+                return linear_f32(x.to(dt).float(), self.weight.to(dt)).to(dt)
+            return super().forward(x)
         return matmul_nt(stored(x.to(dt))[..., None, :], self.weight.to(dt), dt, reduce=True)[..., 0, :]
 
 

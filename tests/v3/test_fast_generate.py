@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 import convert
 import needle_torch.fast.v3 as fast_v3
@@ -197,6 +198,29 @@ def test_compiled_bf16_steps_with_upcast_products_give_the_plain_tokens(model, u
     assert (top2[..., 0] - top2[..., 1]).min() > 2 * BF16_COMPILED_REL * ref_logits.abs().max()
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert step_rel(logits, ref_logits) <= BF16_COMPILED_REL
+
+
+@pytest.mark.skipif(not kernels.onednn_ops(), reason="this torch has no oneDNN (kernels.ONEDNN_OPS)")
+def test_compiled_bf16_products_of_many_rows_keep_a_float32_weight(upcast, monkeypatch):
+    """Dense at more rows than a multiply-and-sum takes, bf16 on the upcast path, in a compiled graph whose float32
+    products take oneDNN: against one kept float32 copy of the weight (not upcast again each call), and the bf16
+    product (within a float32 sum's error of the float64 product, as above)."""
+    monkeypatch.setattr(kernels, "_onednn_f32", lambda: True)
+    monkeypatch.setattr(kernels, "_PACKED", WeakIdKeyDictionary())
+    g = torch.Generator().manual_seed(2)
+    layer = fast_v3.Dense(48, 40, torch.bfloat16).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 48, generator=g))
+    x = torch.randn(16, 48, generator=g).bfloat16()
+    with torch.no_grad(), kernels.switched(True):
+        step = torch.compile(layer, fullgraph=True, dynamic=False)
+        got, again = step(x), step(x)
+    (kept,) = [v[3] for v in kernels._PACKED.values()]
+    assert kept.dtype == torch.float32 and torch.equal(again, got)
+    exact = x.double() @ layer.weight.double().T
+    bound = 48 * 2.0 ** -24 * (x.double().abs() @ layer.weight.double().abs().T)
+    assert got.dtype == torch.bfloat16
+    assert (((exact - bound).bfloat16() <= got) & (got <= (exact + bound).bfloat16())).all()
 
 
 def test_fast_paths_take_the_upcast_mode_for_a_bf16_model_only(model):
