@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 FAMILIES = {
     "v1": ("model.py", "generate.py"),
     "v2": ("model.py", "lanes.py", "engram.py", "generate.py"),
+    "v3": ("model.py", "engram.py", "generate.py", "embed.py", "quant.py", "runner.py"),
 }
 
 # (family, file) -> (names only the Flax twin declares, names only the torch twin declares)
@@ -44,6 +45,15 @@ ONE_SIDED = {
         ("new_cache", "decode_step"),  # the torch twin's are methods of SimpleAttentionNetwork
         ("prefill_in_chunks", "compile_choice"),  # the torch loop's compile choice and chunked prefill
     ),
+    ("v3", "model.py"): ((), (
+        "F32_MIN", "FLASH_NEG",  # the masked-logit values jax.nn.dot_product_attention writes
+        "DEFAULT_HEADS",  # the torch constructor's default head groups (Flax: the tree decides)
+    )),
+    ("v3", "engram.py"): ((), ("shift_right",)),  # along axis 1 of any rank (Flax imports Needle 2's)
+    ("v3", "generate.py"): ((), (
+        "F32_MIN", "FLASH_NEG",  # restated from the model file, which imports this one
+        "engram_step", "layer_decode", "decode_layers", "step_logits", "decode_positions",  # the step's parts,
+    )),  # each a compiled graph in needle_torch.fast.v3 (Flax jits the whole step)
 }
 
 

@@ -41,14 +41,16 @@ def mask_diag(mask, offset: int):
     return d if offset == 0 else jnp.pad(d, ((0, 0), (offset, 0)))
 
 
-def engram_indices(tokens, config: TransformerConfig):
+def engram_indices(tokens, config: TransformerConfig, stride: int | None = None):
     """(B, T, N) int32 table rows: an FNV-style hash of the last o tokens per table, in uint32 wrap-around
-    arithmetic. The zeros before the start are hashed like tokens (the masks discard them later)."""
+    arithmetic. The zeros before the start are hashed like tokens (the masks discard them later). stride: the seed
+    stride σ of table (oi, e), SEED·(oi·σ + e + 1); None is E (Needle 2's)."""
     u = tokens.astype(jnp.uint32)
     E, rows = config.engram_heads_resolved, []
+    stride = E if stride is None else stride
     for oi, order in enumerate(config.engram_orders):
         for e in range(E):
-            seed = (HASH_SEED * (oi * E + e + 1)) & 0xFFFFFFFF
+            seed = (HASH_SEED * (oi * stride + e + 1)) & 0xFFFFFFFF
             acc = jnp.full_like(u, jnp.uint32(seed))
             for j in range(order):  # j = 0 is the current token
                 acc = (acc ^ shift_right(u, j)) * jnp.uint32(HASH_PRIME)

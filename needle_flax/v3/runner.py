@@ -1,5 +1,8 @@
 """The Flax twin behind `needle-twin generate` and `embed` for Needle 3: a checkpoint's model, ready to decode,
-score a prompt and embed texts (convert.v3.commands drives it; needle_torch.v3.runner is the same interface)."""
+score a prompt and embed texts (convert.v3.commands drives it; needle_torch.v3.runner is the same interface).
+
+Shapes: B batch, P prompt length, N new tokens.
+"""
 
 from __future__ import annotations
 

@@ -40,18 +40,19 @@ def mask_diag(mask: Tensor, offset: int) -> Tensor:
     return torch.cat([d.new_zeros((B, offset)), d], dim=1)  # (B, T)
 
 
-def engram_indices(tokens: Tensor, config: TransformerConfig) -> Tensor:
+def engram_indices(tokens: Tensor, config: TransformerConfig, stride: int | None = None) -> Tensor:
     """Table rows idx (B, T, N) int64 of upstream's `engram_indices`: table k = oi·E + e (order-major), order o.
 
-    acc = SEED·(k+1); for j in 0..o-1: acc = (acc XOR u[t-j])·PRIME (u = 0 before the start: those zeros are
-    hashed, not skipped; the masks remove them later); acc ^= acc >> 15; idx = acc mod S. All mod 2^32."""
+    acc = SEED·(oi·σ + e + 1) (σ = stride; None: E, Needle 2's); for j in 0..o-1: acc = (acc XOR u[t-j])·PRIME
+    (u = 0 before the start: those zeros are hashed, not skipped; the masks remove them later); acc ^= acc >> 15;
+    idx = acc mod S. All mod 2^32."""
     orders, E, S = tuple(config.engram_orders), config.engram_heads_resolved, config.engram_slots
     B, T = tokens.shape
     far = max(orders) - 1
     u = F.pad(tokens.long() & MASK32, (far, 0))  # (B, far + T): u[t - j] is column far + t - j
     cols = []
     for oi, order in enumerate(orders):
-        k = torch.arange(oi * E, (oi + 1) * E, device=tokens.device)  # (E,) this order's tables
+        k = oi * (E if stride is None else stride) + torch.arange(E, device=tokens.device)  # (E,) seeds' k
         acc = ((HASH_SEED * (k + 1)) & MASK32).expand(B, T, E)  # (B, T, E)
         for j in range(order):
             prev = u[:, far - j:far - j + T, None]  # (B, T, 1): the token j steps back

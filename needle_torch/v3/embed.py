@@ -1,4 +1,7 @@
-"""Sentence embeddings from text with the Needle 3 torch twin: upstream's `forward_embedding` on tokenized texts."""
+"""Sentence embeddings from text with the Needle 3 torch twin: upstream's `forward_embedding` on tokenized texts.
+
+Shapes: B texts or prompts, P prompt length.
+"""
 
 from __future__ import annotations
 

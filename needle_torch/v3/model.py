@@ -13,8 +13,8 @@ norm statistics, RoPE, the lane routing and mixing, the engram gate, the attenti
 the tied logits. Where JAX rounds an intermediate to dt, the matching line here rounds it too.
 
 Shapes: B batch, T length, D d_model, H heads, K kv heads, hq qk head dim, hv v head dim, F = max(hq, hv),
-τ conv taps, L layers, n mHC lanes, G engram sites, N engram tables, s sub dim, P Hadamard width,
-(a, b) Monarch factor sizes, V vocab, k probes, Q queries, L1 = L+1 cell rows, c embedding dim.
+τ conv taps, L layers, n mHC lanes, G engram sites, N engram tables, s sub dim, P Hadamard width (power of two
+>= D), (a, b) Monarch factor sizes (a·b = P), V vocab, k probes, Q queries, L1 = L+1 cell rows, c embedding dim.
 """
 
 from __future__ import annotations

@@ -321,6 +321,19 @@ def test_pure_helpers():
     assert not mask_diag(m, 7).any()
 
 
+def test_engram_seed_stride():
+    """The Flax twin's test_engram_seed_stride: σ = engram_seed_heads or E; with σ = the parent's E a width-halved
+    child's table (1, 0) is the parent's table (1, 0), at index E_child."""
+    tokens = torch.from_numpy(np.random.default_rng(4).integers(0, 500, (2, 9)))
+    parent = _tiny(d_model=512, engram_heads=2, engram_slots=97)
+    child = dataclasses.replace(parent, d_model=256, engram_heads=1, engram_seed_heads=2)
+    p, c = v3_model.engram_indices(tokens, parent), v3_model.engram_indices(tokens, child)
+    assert torch.equal(c[..., 0], p[..., 0])  # order 0, head 0
+    assert torch.equal(c[..., 1], p[..., 2])  # order 1, head 0: seed 1·σ + 0 + 1
+    plain = v3_model.engram_indices(tokens, dataclasses.replace(child, engram_seed_heads=0))
+    assert not torch.equal(plain[..., 1], p[..., 2])  # σ = E_child = 1 would move it
+
+
 def test_flash_prescale_is_rounded_in_the_compute_dtype():
     """√(F/hq) for hq 48, hv 64 is 1.1547; upstream multiplies q by it as a bf16 value: 1.15625 (§3.2)."""
     cfg = _tiny(d_model=64, num_heads=2, num_kv_heads=1, qk_head_dim=48, v_head_dim=64, dtype="bfloat16",
