@@ -34,3 +34,11 @@ def pytest_configure(config):
     if pytest.version_tuple[:2] >= (9, 2) and xdist_major_minor <= (3, 8):
         raise pytest.UsageError(f"--dist loadgroup is broken in pytest {pytest.__version__} with pytest-xdist "
                                 f"{xdist.__version__} (pytest-xdist#1386): install scripts/constraints.txt's pytest")
+
+
+@pytest.fixture
+def upcast(monkeypatch):
+    """This process's bf16 products through the upcast path, whatever the CPU (eager code reads it per call)."""
+    from needle_torch.fast import kernels
+
+    monkeypatch.setattr(kernels, "_native_bf16", lambda: False)

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 
-import torch
 from torch import nn
 
 from needle_torch.fast import kernels
@@ -70,10 +69,9 @@ def fast_paths(model: nn.Module, on: bool = True) -> Iterator[ModuleType | None]
 
 
 def _products(fast: ModuleType, model: nn.Module) -> AbstractContextManager:
-    """kernels.UpcastProducts for a family that asks for it (UPCAST_PRODUCTS) and a model computing in bf16 (its
-    config's dtype, or bf16 parameters)."""
-    dtype = getattr(getattr(model, "config", None), "dtype", None)
-    bf16 = dtype in ("bfloat16", torch.bfloat16) or any(p.dtype == torch.bfloat16 for p in model.parameters())
+    """kernels.UpcastProducts for a family that asks for it (UPCAST_PRODUCTS) and a model whose compute dtype is bf16
+    (its products run in the config's dtype, whatever its parameters are stored in)."""
+    bf16 = getattr(getattr(model, "config", None), "dtype", None) == "bfloat16"
     return kernels.UpcastProducts() if getattr(fast, "UPCAST_PRODUCTS", False) and bf16 else nullcontext()
 
 

@@ -672,12 +672,6 @@ def test_the_bf16_path_follows_the_cpu_and_the_env_overrides(environ, flags, ate
     assert path.tiles is tiles
 
 
-@pytest.fixture
-def upcast(monkeypatch):
-    """This process's bf16 products through the upcast path, whatever the CPU (eager code reads it per call)."""
-    monkeypatch.setattr(kernels, "_native_bf16", lambda: False)
-
-
 def test_the_upcast_path_is_the_same_bf16_function(fx, bf16, upcast):
     """Upcast operands, float32 products and sums, one rounding: what a bf16 product computes, up to the order of
     the float32 sums. Same greedy tokens; logits within one bf16 ulp of the largest where the library's bf16

@@ -116,12 +116,6 @@ def test_layers_run_in_the_shortest_run_of_kinds_that_tiles_the_stack():
 # ----------------------------------------------------------------------------- bf16 products through float32 kernels
 
 
-@pytest.fixture
-def upcast(monkeypatch):
-    """This process's bf16 products through the upcast path, whatever the CPU (read per call)."""
-    monkeypatch.setattr(kernels, "_native_bf16", lambda: False)
-
-
 class ProductDtypes(TorchDispatchMode):
     """Collects the operand dtype of every product kernel (aten ops named *mm*) called inside it."""
 
@@ -224,13 +218,14 @@ def test_compiled_bf16_products_of_many_rows_keep_a_float32_weight(upcast, monke
 
 
 def test_fast_paths_take_the_upcast_mode_for_a_bf16_model_only(model):
-    """seam.fast_paths enters UpcastProducts for Needle 3 with bf16 parameters, not for a float32 model."""
+    """seam.fast_paths enters UpcastProducts for Needle 3 computing in bf16, not for a float32 model (nor for bf16
+    parameters under a float32 compute dtype: its products run in float32)."""
     assert fast_v3.UPCAST_PRODUCTS
-    with fast_paths(model):
-        assert not any(isinstance(m, kernels.UpcastProducts) for m in _modes())
-    for half in (copy.deepcopy(model).bfloat16(), SimpleAttentionNetwork(model.config.replace(dtype="bfloat16"))):
-        with fast_paths(half):  # bf16 parameters, or float32 ones and a bf16 compute dtype
-            assert any(isinstance(m, kernels.UpcastProducts) for m in _modes())
+    for plain in (model, copy.deepcopy(model).bfloat16()):
+        with fast_paths(plain):
+            assert not any(isinstance(m, kernels.UpcastProducts) for m in _modes())
+    with fast_paths(SimpleAttentionNetwork(model.config.replace(dtype="bfloat16"))):
+        assert any(isinstance(m, kernels.UpcastProducts) for m in _modes())
     assert not any(isinstance(m, kernels.UpcastProducts) for m in _modes())
 
 
